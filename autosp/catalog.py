@@ -1,0 +1,133 @@
+"""Built-in model catalogue: names that resolve to configs with no download.
+
+A model *spec* is one of
+  * a catalogue name (``llama3-8b``, ``tiny``, ...);
+  * a path to a Hugging Face ``config.json``;
+  * ``package.module:factory`` — a callable returning an ``nn.Module``
+    (used with an input spec, see :mod:`autosp.planner.inputs`).
+
+Configs follow the published model cards (hidden size, layers, heads, vocab);
+weights are never loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autosp.errors import AutospError
+
+# family -> transformers config class name; kwargs follow the public config.json files.
+CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-8b": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    "llama3-70b": ("LlamaConfig", dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    "llama3.1-405b": ("LlamaConfig", dict(
+        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5)),
+    "mistral-7b": ("MistralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        rope_theta=1000000.0, max_position_embeddings=32768, sliding_window=None)),
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False)),
+    "gpt2-xl": ("GPT2Config", dict(
+        n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024,
+        # Long-context training runs without dropout; with it SDPA leaves the fused kernel.
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # Small enough to train on a 2-core CPU: the default of the README's main job.
+    "tiny": ("LlamaConfig", dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
+        max_position_embeddings=65536, rope_theta=10000.0)),
+}
+
+
+@dataclass
+class ModelSource:
+    """What a spec resolved to: an HF config, or a factory of our own/user's."""
+
+    name: str
+    hf_config: Any = None               # transformers.PretrainedConfig
+    factory: Callable[[], Any] | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf_config is not None
+
+
+def known_models() -> list[str]:
+    return sorted(CATALOG)
+
+
+def hf_config(name: str) -> Any:
+    """The transformers config of a catalogue name (SDPA attention)."""
+    import transformers
+
+    cls_name, kwargs = CATALOG[name]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec into a :class:`ModelSource`, or a one-line error naming the fix."""
+    if spec in CATALOG:
+        return ModelSource(spec, hf_config=hf_config(spec))
+    if spec.endswith(".json") or os.path.isdir(spec):
+        return ModelSource(os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec,
+                           hf_config=_config_from_file(spec))
+    if ":" in spec:
+        return ModelSource(spec, factory=_import_factory(spec))
+    raise AutospError(
+        f"unknown model '{spec}'; use one of {', '.join(known_models())}, "
+        "a path to a Hugging Face config.json, or package.module:factory")
+
+
+def _config_from_file(path: str) -> Any:
+    import transformers
+
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise AutospError(f"config file {path} does not exist; pass the path to a Hugging Face config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise AutospError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise AutospError(f"{path} has no 'model_type' key; a Hugging Face config.json names its model family there")
+    try:
+        cfg = transformers.AutoConfig.for_model(**raw)
+    except (ValueError, KeyError) as e:
+        raise AutospError(f"{path}: transformers does not know model_type '{model_type}' ({e}); "
+                          "upgrade transformers or use a known family") from None
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _import_factory(spec: str) -> Callable[[], Any]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise AutospError(f"cannot import '{module_name}' for model '{spec}' ({e}); "
+                          "check the module path and that it is on PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise AutospError(f"'{attr}' in module '{module_name}' is not a callable factory; "
+                          "give package.module:function that returns an nn.Module")
+    return factory

@@ -1,0 +1,105 @@
+"""The ``autosp`` command line: ``autosp inspect``, ``autosp demo`` (more subcommands follow).
+
+Errors a user can cause are printed as one line (``autosp: error: ...``) with
+exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from autosp.errors import AutospError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="catalogue name (autosp models), path to a HF config.json, or package.module:factory")
+    p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--batch-size", type=_positive_int, default=1)
+    p.add_argument("--dtype", default="bfloat16", help="parameter/activation dtype (default bfloat16)")
+    p.add_argument("--inputs", default=None,
+                   help="input spec for factory models, e.g. 'input_ids:int64[B,S],labels:int64[B,S]'")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from autosp.planner import capture
+    from autosp.planner.report import inspect_dict, inspect_table
+
+    g = capture(args.model, seq_len=args.seq_len, batch_size=args.batch_size, dtype=args.dtype,
+                inputs=args.inputs)
+    if args.json:
+        json.dump(inspect_dict(g), sys.stdout, indent=2)
+        print()
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(Console().width, 110))
+        console.print(inspect_table(g))
+        for note in g.notes:
+            console.print(f"note: {note}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from autosp.catalog import CATALOG
+
+    for name, (cls, kw) in sorted(CATALOG.items()):
+        print(f"{name:16s} {cls}")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Library chatter (e.g. transformers' config notices) would bury the one-line answers."""
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autosp", description="Automatic sequence parallelism: capture, cost, plan, apply.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="per-layer FLOPs, parameters and saved activations of one training step")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("models", help="list the built-in model names")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except AutospError as e:
+        print(f"autosp: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:          # e.g. `autosp inspect --json | head`
+        return 0
+    except KeyboardInterrupt:
+        print("autosp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

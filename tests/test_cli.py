@@ -1,0 +1,31 @@
+"""The CLI as a user runs it: tables, JSON, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+from autosp.cli import main
+
+
+def test_inspect_json(capsys):
+    assert main(["inspect", "--model", "tiny", "--seq-len", "1024", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["seq_len"] == 1024 and doc["layer_classes"][0]["count"] == 2
+    assert doc["totals"]["fwd_flops"] > 0
+
+
+def test_inspect_table(capsys):
+    assert main(["inspect", "--model", "tiny", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaDecoderLayer" in out and "total" in out
+
+
+def test_errors_are_one_line_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "autosp.cli", "inspect", "--model", "nope", "--seq-len", "8"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown model 'nope'" in lines[0] and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "autosp.cli", "inspect", "--model", "tiny", "--seq-len", "-5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "positive integer" in r.stderr
