@@ -1,0 +1,18 @@
+"""autosp: automatic sequence parallelism for long-context transformer training.
+
+Public API:
+    autosp.compile(model, ...)      wrap a model for SP training (transform/)
+    autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (planner/)
+    torch.compile(model, backend="autosp", dynamic=True)
+"""
+
+from autosp.errors import AutospError
+from autosp.planner.capture import capture
+from autosp.planner.opgraph import OpGraph
+from autosp.transform.api import SequenceParallel, compile
+from autosp.transform.backend import register as _register_backend
+
+_register_backend()
+
+__all__ = ["compile", "capture", "OpGraph", "SequenceParallel", "AutospError"]
+__version__ = "0.1.0"

@@ -1,0 +1,77 @@
+"""The ``torch.compile`` backend: shard each Dynamo graph, then run it.
+
+``autosp.compile(model)`` builds one backend per wrapped model (it knows the
+process group and whether it padded the batch); ``torch.compile(model,
+backend="autosp", dynamic=True)`` uses the default process group and Ulysses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autosp.errors import AutospError
+from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, shard_graph, _where
+
+
+@dataclass
+class BackendState:
+    """What the graphs of one compiled model reported; read by the wrapper."""
+
+    reports: list[ShardReport] = field(default_factory=list)
+    eager_attention: list[str] = field(default_factory=list)
+
+    @property
+    def attention_ops(self) -> int:
+        return sum(r.attention for r in self.reports)
+
+    @property
+    def unmasked_noncausal(self) -> bool:
+        return any(r.unmasked_noncausal for r in self.reports)
+
+
+def _eager_attention_sites(gm: fx.GraphModule) -> list[str]:
+    """Softmax over the last dim of a [..., S, S] score tensor: attention written by hand."""
+    sites = []
+    for n in gm.graph.nodes:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if name in ("softmax", "_softmax"):
+            v = n.meta.get("example_value")
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-1] == v.shape[-2]:
+                sites.append(f"{name} ({_where(n)})")
+    return sites
+
+
+def make_backend(group: dist.ProcessGroup, strategy: str = "ulysses",
+                 state: BackendState | None = None) -> Callable:
+    state = state if state is not None else BackendState()
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        ctx = ShardContext(group_name=group.group_name, world=dist.get_world_size(group),
+                           rank=dist.get_rank(group), strategy=strategy)
+        if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
+            state.eager_attention.extend(_eager_attention_sites(gm))
+        state.reports.append(shard_graph(gm, example_inputs, ctx))
+        return gm.forward
+
+    backend.state = state  # type: ignore[attr-defined]
+    return backend
+
+
+def autosp_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """``torch.compile(model, backend="autosp", dynamic=True)``: Ulysses over the default group."""
+    if not dist.is_initialized():
+        raise AutospError("backend 'autosp' needs torch.distributed initialised; call "
+                          "torch.distributed.init_process_group() first (torchrun sets the environment)")
+    return make_backend(dist.group.WORLD)(gm, example_inputs)
+
+
+def register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "autosp" not in _BACKENDS:
+        register_backend(compiler_fn=autosp_backend, name="autosp")

@@ -1,0 +1,118 @@
+"""Collectives as ``torch.library`` custom ops, with autograd and fake (shape) kernels.
+
+Each op names its process group by ``group_name`` (a string, so the ops stay
+traceable); the autograd rule says what the backward pass communicates:
+
+  op                        forward                         backward
+  autosp::all_to_all        scatter one dim, gather another  the inverse all-to-all
+  autosp::all_reduce_sum    sum over the group               identity (each rank keeps
+                                                             the gradient of its own term)
+  autosp::all_gather        concatenate shards along a dim   this rank's slice of the grad
+
+The identity backward of ``all_reduce_sum`` is what makes SP gradients right:
+the loss every rank returns is the *global* loss, and each rank back-propagates
+only through its own tokens, so parameter gradients are partial sums that one
+all-reduce over the SP group completes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_size(group_name: str) -> int:
+    return dist.get_world_size(resolve_group(group_name))
+
+
+# ---------------------------------------------------------------------------------- all_to_all
+
+@torch.library.custom_op("autosp::all_to_all", mutates_args=())
+def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+    """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, and
+    concatenate what arrives along ``gather_dim`` in rank order."""
+    pg = resolve_group(group_name)
+    p = dist.get_world_size(pg)
+    send = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+@all_to_all.register_fake
+def _(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> Tensor:
+    p = group_size(group_name)
+    shape = list(x.shape)
+    shape[scatter_dim] = shape[scatter_dim] // p
+    shape[gather_dim] = shape[gather_dim] * p
+    return x.new_empty(shape)
+
+
+def _a2a_setup(ctx, inputs, output) -> None:
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name = inputs
+
+
+def _a2a_backward(ctx, grad: Tensor):
+    return all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name), None, None, None
+
+
+all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+# ------------------------------------------------------------------------------ all_reduce_sum
+
+@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
+    return out
+
+
+@all_reduce_sum.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _ar_backward(ctx, grad: Tensor):
+    return grad, None
+
+
+all_reduce_sum.register_autograd(_ar_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---------------------------------------------------------------------------------- all_gather
+
+@torch.library.custom_op("autosp::all_gather", mutates_args=())
+def all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
+    pg = resolve_group(group_name)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    return torch.cat(parts, dim=dim)
+
+
+@all_gather.register_fake
+def _(x: Tensor, dim: int, group_name: str) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * group_size(group_name)
+    return x.new_empty(shape)
+
+
+def _ag_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.group_name = inputs
+
+
+def _ag_backward(ctx, grad: Tensor):
+    pg = resolve_group(ctx.group_name)
+    p, r = dist.get_world_size(pg), dist.get_rank(pg)
+    n = grad.shape[ctx.dim] // p
+    return grad.narrow(ctx.dim, r * n, n), None, None
+
+
+all_gather.register_autograd(_ag_backward, setup_context=_ag_setup)

@@ -1,0 +1,47 @@
+"""Losses and reductions over sequence-sharded tensors, made global.
+
+A mean over tokens is ``global sum / global count``: right when ranks hold
+different numbers of ignored (-100) labels, where a mean of per-rank means
+is not. Sums travel through :func:`all_reduce_sum`, whose backward is the
+identity (see :mod:`autosp.transform.collectives`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from autosp.transform.collectives import all_reduce_sum
+
+
+def sharded_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                          size_average=None, ignore_index: int = -100, reduce=None,  # noqa: ANN001
+                          reduction: str = "mean", label_smoothing: float = 0.0, *,
+                          group_name: str) -> Tensor:
+    """``F.cross_entropy`` whose input and target hold this rank's tokens; returns the global loss."""
+    if reduction == "none":
+        return F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="none",
+                               label_smoothing=label_smoothing)
+    local = F.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="sum",
+                            label_smoothing=label_smoothing)
+    total = all_reduce_sum(local, group_name)
+    if reduction == "sum":
+        return total
+    valid = target != ignore_index
+    if weight is None:
+        count = valid.sum().to(total.dtype)
+    else:
+        count = (weight[target.clamp(min=0)] * valid).sum().to(total.dtype)
+    return total / all_reduce_sum(count.detach(), group_name)
+
+
+def global_sum(x: Tensor, *, group_name: str) -> Tensor:
+    """Sum of all elements over all ranks' shards."""
+    return all_reduce_sum(x.sum(), group_name)
+
+
+def global_mean(x: Tensor, *, group_name: str) -> Tensor:
+    """Mean over all ranks' elements (shards are equal in size)."""
+    n = all_reduce_sum(torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), group_name)
+    return all_reduce_sum(x.sum(), group_name) / n

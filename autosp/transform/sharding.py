@@ -1,0 +1,396 @@
+"""The sequence-sharding pass over a Dynamo (Torch IR) graph.
+
+Placements (DTensor's vocabulary, restricted to what SP needs):
+  R         replicated: every rank holds the whole tensor (inputs, parameters,
+            positions and masks built from them)
+  S(dims)   this rank holds its tokens along ``dims`` (the dims whose size
+            expression holds the symbolic sequence length)
+
+Propagation, in graph order:
+  * ``scaled_dot_product_attention``  -> the chosen attention strategy; q,k,v S
+  * ``F.cross_entropy`` on S logits   -> global token-weighted loss (R)
+  * ``.sum()/.mean()`` of an S tensor -> global sum / mean (R)
+  * any other op with an S input, or one that meets a *parameter* and a tensor
+    with a sequence dim (the embedding lookup, the first projection), is
+    token-wise: its output is S; R inputs with a sequence dim are sliced to
+    this rank's tokens (the first slice of ``input_ids`` happens here, labels
+    are sliced where the loss meets them, *after* the model shifted them on
+    the full sequence), and shape arguments that hold the global length are
+    divided by the SP degree;
+  * everything else stays R (masks, rotary tables, label shifting: cheap,
+    computed on the full sequence, sliced where used).
+  * graph outputs that are S are all-gathered, so the next graph (after a
+    graph break) and the user see single-device shapes.
+
+Ops that mix tokens along a sharded sequence dim (a softmax or cumsum over it,
+slicing it, ...) are refused with the op and source line named, never run
+silently wrong.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autosp.errors import AutospError
+from autosp.transform.attention import check_ulysses_heads, ulysses_attention
+from autosp.transform.layout import gather_seq, slice_seq
+from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy
+
+SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+CE_TARGETS = {F.cross_entropy}
+_SHAPE_METHODS = {"size", "dim", "numel", "stride"}
+# Ops whose ``dim`` argument mixes or reorders entries along that dim.
+_DIM_MIXING = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "topk", "flip", "roll",
+               "cummax", "cummin", "logcumsumexp", "sum", "mean", "max", "min", "amax", "amin", "argmax",
+               "argmin", "any", "all", "prod", "std", "var", "norm", "logsumexp", "narrow", "split",
+               "tensor_split", "diff", "nansum", "count_nonzero", "chunk", "unbind"}
+# Where the dim argument sits when it is not the second positional one.
+_DIM_POSITION = {"split": 2, "chunk": 2, "tensor_split": 2, "topk": 2, "roll": 2}
+
+
+@dataclass
+class ShardContext:
+    group_name: str
+    world: int
+    rank: int
+    strategy: str = "ulysses"
+    padded: bool = False            # the wrapper padded the sequence this call
+
+
+@dataclass
+class ShardReport:
+    attention: int = 0
+    sharded_ops: int = 0
+    sliced_inputs: list[str] = field(default_factory=list)
+    gathered_outputs: int = 0
+    unmasked_noncausal: bool = False
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _where(n: fx.Node) -> str:
+    st = n.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
+    return lines[-1] if lines else f"graph node {n.name}"
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+class Sharder:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], ctx: ShardContext):
+        self.gm, self.graph, self.ctx = gm, gm.graph, ctx
+        self.report = ShardReport()
+        self.place: dict[fx.Node, tuple[int, ...] | None] = {}   # None = R
+        self.local_sym: set[fx.Node] = set()
+        self.slices: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.local_len: dict[fx.Node, fx.Node] = {}
+        self.params: set[fx.Node] = set()
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for n, ex in zip(placeholders, example_inputs):
+            if isinstance(ex, torch.nn.Parameter):
+                self.params.add(n)
+
+    # ------------------------------------------------------------------ sequence symbol
+    def find_seq_symbols(self, attn: list[fx.Node]) -> set[sympy.Symbol]:
+        syms: set[sympy.Symbol] = set()
+        for n in attn:
+            q = _val(n.args[0])
+            d = q.shape[-2]
+            if not isinstance(d, torch.SymInt):
+                raise AutospError(
+                    f"the sequence length ({d}) was compiled as a constant at {_where(n)}; autosp needs it "
+                    "symbolic: use autosp.compile(model), or torch.compile(model, backend='autosp', dynamic=True)")
+            syms |= d.node.expr.free_symbols
+        return syms
+
+    def seq_dims(self, v: Any) -> tuple[int, ...]:
+        if not isinstance(v, torch.Tensor):
+            return ()
+        out = []
+        for i, d in enumerate(v.shape):
+            if isinstance(d, torch.SymInt) and d.node.expr.free_symbols & self.syms:
+                out.append(i)
+        return tuple(out)
+
+    def is_seq_sym(self, n: Any) -> bool:
+        v = _val(n)
+        return isinstance(v, torch.SymInt) and bool(v.node.expr.free_symbols & self.syms)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> ShardReport:
+        attn = [n for n in self.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+        if not attn:
+            return self.report
+        self.syms = self.find_seq_symbols(attn)
+        self.full_len = self._full_len_node()
+        for n in list(self.graph.nodes):
+            if n.op in ("placeholder", "get_attr"):
+                self.place[n] = None
+            elif n.op == "output":
+                self._gather_outputs(n)
+            elif n.op == "call_module":
+                raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
+            else:
+                self._visit(n)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.report
+
+    def _full_len_node(self) -> fx.Node:
+        """A node holding the global sequence length, read off a replicated input at run time."""
+        for n in self.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            v = _val(n)
+            if isinstance(v, torch.SymInt) and v.node.expr in self.syms:
+                return n
+        for n in self.graph.nodes:
+            if n.op == "placeholder":
+                v = _val(n)
+                if isinstance(v, torch.Tensor):
+                    for i, d in enumerate(v.shape):
+                        if isinstance(d, torch.SymInt) and d.node.expr in self.syms:
+                            with self.graph.inserting_after(n):
+                                return self.graph.call_function(torch.ops.aten.sym_size.int, (n, i))
+        raise AutospError("no input carries the sequence length; pass the token ids as a graph input")
+
+    # ------------------------------------------------------------------ per node
+    def _inputs(self, n: fx.Node) -> list[fx.Node]:
+        return [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor) or a in self.place]
+
+    def _visit(self, n: fx.Node) -> None:
+        ins = n.all_input_nodes
+        s_in = [a for a in ins if self.place.get(a) is not None]
+        if n.target in SDPA_TARGETS:
+            return self._attention(n)
+        if n.target in CE_TARGETS and s_in:
+            return self._cross_entropy(n)
+        v = _val(n)
+        # Symbolic sizes read off sharded tensors are local lengths already.
+        if isinstance(v, (torch.SymInt, int)) or (isinstance(v, (tuple, list)) and v and
+                                                  all(isinstance(x, (torch.SymInt, int)) for x in v)):
+            if s_in or any(a in self.local_sym for a in ins):
+                self.local_sym.add(n)
+            self.place[n] = None
+            return
+        seqful_r = [a for a in ins if self.place.get(a) is None and self.seq_dims(_val(a))]
+        meets_param = any(a in self.params for a in ins) and (s_in or seqful_r)
+        if not s_in and not meets_param:
+            self.place[n] = None
+            return
+        if self._is_full_reduction(n):
+            return self._global_reduction(n)
+        self._check_token_wise(n)
+        out_dims = self._out_dims(n, v)
+        if out_dims is None:
+            raise AutospError(
+                f"op '{_name(n)}' turns a sequence-sharded tensor into one without a sequence dim "
+                f"({_where(n)}); autosp can shard only token-wise ops, attention, cross-entropy and full sums/means")
+        for a in seqful_r:
+            self._replace_input(n, a, self._slice(a))
+        self._localize_shape_args(n)
+        self.place[n] = out_dims
+        self.report.sharded_ops += 1
+
+    def _out_dims(self, n: fx.Node, v: Any) -> tuple[int, ...] | None:
+        if isinstance(v, torch.Tensor):
+            d = self.seq_dims(v)
+            return d if d else None
+        if isinstance(v, (tuple, list)):
+            return (-1,)          # a tuple of shards; getitem reads each element's dims
+        return None
+
+    def _getitem_dims(self, n: fx.Node) -> tuple[int, ...] | None:
+        return self.seq_dims(_val(n)) or None
+
+    # ------------------------------------------------------------------ special ops
+    def _attention(self, n: fx.Node) -> None:
+        q, k, v = (n.args + (None,) * 3)[:3]
+        for a in (q, k, v):
+            if not isinstance(a, fx.Node):
+                raise AutospError(f"attention at {_where(n)} has non-tensor q/k/v")
+            if self.place.get(a) is None:
+                if not self.seq_dims(_val(a)):
+                    raise AutospError(f"attention at {_where(n)} has an input without a sequence dim")
+                self._replace_input(n, a, self._slice(a))
+        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+        if isinstance(mask, fx.Node) and self.place.get(mask) is not None:
+            raise AutospError(f"the attention mask at {_where(n)} is computed from sharded activations; "
+                              "build it from the inputs (ids, positions, attention_mask)")
+        is_causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+        if mask is None and not is_causal:
+            self.report.unmasked_noncausal = True
+        qv, kv = _val(q), _val(k)
+        if self.ctx.strategy == "ulysses":
+            check_ulysses_heads(qv.shape[-3], kv.shape[-3], self.ctx.world, f"attention at {_where(n)}")
+            n.target = ulysses_attention
+        else:
+            raise AutospError(f"attention strategy '{self.ctx.strategy}' is not available; use 'ulysses'")
+        n.kwargs = {**n.kwargs, "group_name": self.ctx.group_name}
+        self.place[n] = (qv.dim() - 2,)
+        self.report.attention += 1
+
+    def _cross_entropy(self, n: fx.Node) -> None:
+        target = n.args[1] if len(n.args) > 1 else n.kwargs["target"]
+        if isinstance(target, fx.Node) and self.place.get(target) is None and self.seq_dims(_val(target)):
+            self._replace_input(n, target, self._slice(target))
+        n.target = sharded_cross_entropy
+        n.kwargs = {**n.kwargs, "group_name": self.ctx.group_name}
+        reduction = n.kwargs.get("reduction", n.args[6] if len(n.args) > 6 else "mean")
+        self.place[n] = self.seq_dims(_val(n)) or None if reduction == "none" else None
+        self.report.sharded_ops += 1
+
+    def _is_full_reduction(self, n: fx.Node) -> bool:
+        name = _name(n)
+        if name not in ("sum", "mean") or len(n.kwargs):
+            return False
+        # x.sum() / torch.sum(x): one positional arg, no dim.
+        return len(n.args) == 1 and self.place.get(n.args[0]) is not None
+
+    def _global_reduction(self, n: fx.Node) -> None:
+        fn = global_sum if _name(n) == "sum" else global_mean
+        n.op, n.target = "call_function", fn
+        n.kwargs = {"group_name": self.ctx.group_name}
+        self.place[n] = None
+
+    def _check_token_wise(self, n: fx.Node) -> None:
+        name = _name(n)
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if name == "getitem" and src is not None and self.place.get(src) == (-1,):
+            return                                   # element of a tuple of shards
+        if name == "getitem" and src is not None and self.place.get(src) is not None:
+            return self._check_getitem(n, src)
+        if name in ("cat", "concat", "stack"):
+            return self._check_cat(n)
+        if name in _DIM_MIXING and src is not None and self.place.get(src):
+            pos = _DIM_POSITION.get(name, 1)
+            dim = n.kwargs.get("dim", n.kwargs.get("dims", n.args[pos] if len(n.args) > pos else None))
+            if dim is None:
+                return      # no dim: a full reduction, handled (or refused) by the caller
+            ndim = _val(src).dim()
+            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+            for d in dims:
+                if isinstance(d, int) and d % ndim in self.place[src]:
+                    raise AutospError(
+                        f"op '{name}' works along the sharded sequence dim ({_where(n)}); autosp cannot split "
+                        "it across ranks: move it out of the model or express it as attention")
+
+    def _check_getitem(self, n: fx.Node, src: fx.Node) -> None:
+        idx = n.args[1]
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        ndim = _val(src).dim()
+        consumed = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        dims: list[Any] = []
+        for i in idx:
+            if i is Ellipsis:
+                dims.extend([slice(None)] * (ndim - consumed))
+            elif i is not None:
+                dims.append(i)
+        for d in self.place[src]:
+            i = dims[d] if d < len(dims) else slice(None)
+            full = isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step in (None, 1)
+            if not full:
+                raise AutospError(
+                    f"indexing '{i}' slices the sharded sequence dim ({_where(n)}); shift labels instead of "
+                    "logits (pad labels and drop the first), or slice before the model")
+
+    def _check_cat(self, n: fx.Node) -> None:
+        tensors = n.args[0]
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+        out = _val(n)
+        d = dim % out.dim()
+        if d in self.seq_dims(out):
+            nonempty = [t for t in tensors if _val(t).shape[d] != 0]
+            if len(nonempty) > 1:
+                raise AutospError(f"concatenation along the sharded sequence dim ({_where(n)}); "
+                                  "autosp cannot keep it exact (disable the KV cache: use_cache=False)")
+
+    # ------------------------------------------------------------------ rewriting helpers
+    def _slice(self, a: fx.Node) -> fx.Node:
+        dims = self.seq_dims(_val(a))
+        if len(dims) != 1:
+            raise AutospError(f"tensor {a.name} has {len(dims)} sequence dims {dims} and meets a sharded op; "
+                              "autosp can slice tensors with one sequence dim")
+        key = (a, dims[0])
+        if key not in self.slices:
+            with self.graph.inserting_after(a if a.op != "placeholder" else self._last_placeholder()):
+                s = self.graph.call_function(slice_seq, (a, dims[0], self.full_len, self.ctx.rank, self.ctx.world))
+            s.meta = dict(a.meta)
+            self.place[s] = dims
+            self.slices[key] = s
+            if a.op == "placeholder":
+                self.report.sliced_inputs.append(a.name)
+        return self.slices[key]
+
+    def _last_placeholder(self) -> fx.Node:
+        last = None
+        for n in self.graph.nodes:
+            if n.op == "placeholder":
+                last = n
+        # the full-length node may sit after the placeholders; slices must follow it
+        if self.full_len.op != "placeholder":
+            return self.full_len
+        return last
+
+    def _replace_input(self, n: fx.Node, old: fx.Node, new: fx.Node) -> None:
+        n.replace_input_with(old, new)
+
+    def _localize_shape_args(self, n: fx.Node) -> None:
+        n.args = tuple(self._localize(a) for a in n.args)
+        n.kwargs = {k: self._localize(v) for k, v in n.kwargs.items()}
+
+    def _localize(self, x: Any) -> Any:
+        """The local counterpart of a shape argument that holds the global sequence length."""
+        if isinstance(x, (tuple, list)):
+            return type(x)(self._localize(y) for y in x)
+        if not isinstance(x, fx.Node) or x in self.local_sym:
+            return x
+        if x in self.local_len:
+            return self.local_len[x]
+        v = _val(x)
+        after = x if x.op != "placeholder" else self._last_placeholder()
+        if self.is_seq_sym(x):                       # s  ->  s // P
+            with self.graph.inserting_after(after):
+                local = self.graph.call_function(operator.floordiv, (x, self.ctx.world))
+        elif isinstance(v, (tuple, list)) and any(isinstance(d, torch.SymInt) and
+                                                  d.node.expr.free_symbols & self.syms for d in v):
+            with self.graph.inserting_after(after):  # torch.Size([2, s, 192]) -> its local copy
+                local = self.graph.create_node(x.op, x.target, self._localize(x.args),
+                                               {k: self._localize(a) for k, a in x.kwargs.items()})
+        else:
+            return x
+        self.local_len[x] = local
+        self.local_sym.add(local)
+        return local
+
+    def _gather_outputs(self, out: fx.Node) -> None:
+        def fix(x: Any) -> Any:
+            if isinstance(x, fx.Node) and self.place.get(x) not in (None, (-1,)):
+                dims = self.place[x]
+                with self.graph.inserting_before(out):
+                    g = self.graph.call_function(gather_seq, (x, dims[0], self.full_len, self.ctx.world,
+                                                              self.ctx.group_name))
+                self.report.gathered_outputs += 1
+                return g
+            if isinstance(x, (tuple, list)):
+                return type(x)(fix(y) for y in x)
+            return x
+
+        out.args = tuple(fix(a) for a in out.args)
+
+
+def shard_graph(gm: fx.GraphModule, example_inputs: list[Any], ctx: ShardContext) -> ShardReport:
+    """Rewrite ``gm`` in place for sequence parallelism; see the module docstring."""
+    return Sharder(gm, example_inputs, ctx).run()

@@ -1,0 +1,108 @@
+"""Cases run on every rank of a gloo pool (see dist_harness). Each compares autosp
+against a single-device run of the same model, weights and batch, computed in the
+same process without any parallelism."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import autosp
+from autosp.errors import AutospError
+
+
+def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "reference":
+        from autosp.models import ReferenceConfig, ReferenceTransformer
+
+        return ReferenceTransformer(ReferenceConfig(vocab_size=128, dim=16 * heads, n_layers=2, n_heads=heads,
+                                                    n_kv_heads=kv, ffn_dim=128))
+    import transformers
+
+    common = dict(vocab_size=128, attn_implementation=extra.pop("attn", "sdpa"))
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)
+    else:
+        cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+               "qwen3": "Qwen3Config", "olmo2": "Olmo2Config"}[kind]
+        cfg = getattr(transformers, cls)(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=heads, num_key_value_heads=kv, **common)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if kind == "reference":
+        return model(ids, labels=labels)
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _batch(step: int, batch: int, seq_len: int, uneven: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 128, (batch, seq_len), generator=g)
+    labels = ids.clone()
+    if uneven:
+        # Ignore most of the first half of each row: ranks hold very different counts.
+        labels[:, : seq_len // 2][torch.rand(batch, seq_len // 2, generator=g) < 0.8] = -100
+    return ids, labels
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
+                  strategy: str = "auto", **cfg: Any) -> dict[str, Any]:
+    """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
+    ref = build(kind, **cfg)
+    sp_model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
+    sp = autosp.compile(sp_model, strategy=strategy)
+    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
+    for step in range(steps):
+        ids, labels = _batch(step, batch, seq_len, uneven)
+        loss_ref = _loss(ref, kind, ids, labels)
+        loss_ref.backward()
+        loss_sp = _loss(sp, kind, ids, labels)
+        loss_sp.backward()
+        out["losses"].append((loss_ref.item(), loss_sp.item()))
+        out["loss_err"] = max(out["loss_err"], abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
+        for (name, p), q in zip(sp_model.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                continue
+            e = _rel(p.grad, q.grad)
+            if e > out["grad_err"]:
+                out["grad_err"], out["worst"] = e, f"step {step} {name}"
+        opt_ref.step()
+        opt_sp.step()
+        opt_ref.zero_grad()
+        opt_sp.zero_grad()
+    # All parameters together: a per-tensor ratio is ill-posed for e.g. a key bias, whose exact
+    # gradient is zero, so Adam turns rounding noise into +-lr steps in both runs.
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    out["param_err"] = _rel(flat(sp_model), flat(ref))
+    out["attention_ops"] = sp.state.attention_ops
+    return out
+
+
+def expect_error(kind: str, seq_len: int = 32, **cfg: Any) -> str:
+    """The AutospError message autosp gives for this model, or '' if it ran."""
+    model = build(kind, **cfg)
+    sp = autosp.compile(model)
+    ids, labels = _batch(0, 1, seq_len, False)
+    try:
+        _loss(sp, kind, ids, labels)
+    except AutospError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors
+        inner = e
+        while inner is not None and not isinstance(inner, AutospError):
+            inner = inner.__cause__ or inner.__context__
+        if inner is not None:
+            return str(inner)
+        raise
+    return ""
