@@ -53,6 +53,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from autosp.demo import run_demo
+
+    worst = run_demo(args.model, args.seq_len, args.steps, args.train_seq_len)
+    print(f"worst relative loss gap between SP and one process: {worst:.1e}")
+    return 0 if worst < 1e-5 else 1
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from autosp.catalog import CATALOG
 
@@ -79,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("demo", help="the main job on defaults: inspect a real model, then a real SP run on CPU")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--seq-len", type=_positive_int, default=131072)
+    p.add_argument("--steps", type=_positive_int, default=3)
+    p.add_argument("--train-seq-len", type=_positive_int, default=1024)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("models", help="list the built-in model names")
     p.set_defaults(func=cmd_models)

@@ -106,3 +106,22 @@ def expect_error(kind: str, seq_len: int = 32, **cfg: Any) -> str:
             return str(inner)
         raise
     return ""
+
+
+def backend_compare(kind: str = "reference", seq_len: int = 32) -> dict[str, Any]:
+    """torch.compile(model, backend="autosp", dynamic=True) with gradients reduced by hand."""
+    import torch.distributed as dist
+
+    ref = build(kind)
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="autosp", dynamic=True)
+    ids, labels = _batch(0, 2, seq_len, True)
+    loss_ref = _loss(ref, kind, ids, labels)
+    loss_ref.backward()
+    loss = _loss(compiled, kind, ids, labels)
+    loss.backward()
+    grad_err = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        dist.all_reduce(p.grad)
+        grad_err = max(grad_err, _rel(p.grad, q.grad))
+    return {"loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "grad_err": grad_err}

@@ -44,3 +44,8 @@ def test_eager_attention_is_refused_by_name(pool):
     msgs = run_ok(pool, "expect_error", kind="llama", attn="eager")
     assert "no scaled_dot_product_attention" in msgs[0] and "softmax" in msgs[0]
     assert "attn_implementation='sdpa'" in msgs[0]
+
+
+def test_registered_torch_compile_backend(pool):
+    for r in run_ok(pool, "backend_compare"):
+        assert r["loss_err"] <= LOSS_TOL and r["grad_err"] <= GRAD_TOL, r

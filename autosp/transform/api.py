@@ -31,22 +31,31 @@ _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
 def compile(model: nn.Module, *, strategy: str = "auto", sp_size: int | None = None,
-            group: dist.ProcessGroup | None = None, reduce_grads: bool = True) -> "SequenceParallel":
+            group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
+            gather_outputs: bool = True) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
-    data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP.
+    data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP;
+    ``gather_outputs=False`` returns sequence-sharded outputs (e.g. logits) as this rank's
+    tokens instead of all-gathering them (the loss is global either way).
+    Without an initialised process group there is nothing to split: the model is returned
+    as it is, with a warning, so one training script runs alone or under torchrun.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise AutospError("autosp.compile needs torch.distributed initialised: call "
-                          "torch.distributed.init_process_group('gloo' or 'nccl') first, e.g. under torchrun")
     if strategy not in STRATEGIES:
         raise AutospError(f"unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}")
+    if not dist.is_available() or not dist.is_initialized():
+        if sp_size not in (None, 1) or group is not None:
+            raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
+                              "torch.distributed.init_process_group() first, e.g. under torchrun")
+        warnings.warn("torch.distributed is not initialised: autosp runs the model on this device alone "
+                      "(SP degree 1); launch with torchrun to split the sequence", stacklevel=2)
+        return model
     if group is None:
         group = _sp_group(sp_size)
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
-    return SequenceParallel(model, group, "ulysses", reduce_grads)
+    return SequenceParallel(model, group, "ulysses", reduce_grads, gather_outputs)
 
 
 def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
@@ -62,15 +71,17 @@ def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
 class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, strategy: str, reduce_grads: bool):
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, strategy: str, reduce_grads: bool,
+                 gather_outputs: bool = True):
         super().__init__()
         self.module = module
         self.group = group
         self.sp_degree = dist.get_world_size(group)
         self.state = BackendState()
+        self.gather_outputs = gather_outputs
         # Not registered as a submodule: it wraps the same parameters.
         object.__setattr__(self, "_compiled",
-                           torch.compile(module, backend=make_backend(group, strategy, self.state)))
+                           torch.compile(module, backend=make_backend(group, strategy, self.state, gather_outputs)))
         self._signature = inspect.signature(module.forward)
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         self._checked = False
@@ -106,7 +117,9 @@ class SequenceParallel(nn.Module):
         with unpacked_positions(self._is_hf and "position_ids" not in named):
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
-        return _trim(out, padded_len, seq_len) if padded_len != seq_len else out
+        if padded_len == seq_len or not self.gather_outputs:
+            return out
+        return _trim(out, padded_len, seq_len)
 
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):

@@ -47,12 +47,12 @@ def _eager_attention_sites(gm: fx.GraphModule) -> list[str]:
 
 
 def make_backend(group: dist.ProcessGroup, strategy: str = "ulysses",
-                 state: BackendState | None = None) -> Callable:
+                 state: BackendState | None = None, gather_outputs: bool = True) -> Callable:
     state = state if state is not None else BackendState()
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         ctx = ShardContext(group_name=group.group_name, world=dist.get_world_size(group),
-                           rank=dist.get_rank(group), strategy=strategy)
+                           rank=dist.get_rank(group), strategy=strategy, gather_outputs=gather_outputs)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         state.reports.append(shard_graph(gm, example_inputs, ctx))

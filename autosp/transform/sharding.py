@@ -61,7 +61,7 @@ class ShardContext:
     world: int
     rank: int
     strategy: str = "ulysses"
-    padded: bool = False            # the wrapper padded the sequence this call
+    gather_outputs: bool = True     # all-gather sharded graph outputs (single-device shapes)
 
 
 @dataclass
@@ -139,7 +139,8 @@ class Sharder:
             if n.op in ("placeholder", "get_attr"):
                 self.place[n] = None
             elif n.op == "output":
-                self._gather_outputs(n)
+                if self.ctx.gather_outputs:
+                    self._gather_outputs(n)
             elif n.op == "call_module":
                 raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
             else:
