@@ -125,3 +125,27 @@ def backend_compare(kind: str = "reference", seq_len: int = 32) -> dict[str, Any
         dist.all_reduce(p.grad)
         grad_err = max(grad_err, _rel(p.grad, q.grad))
     return {"loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "grad_err": grad_err}
+
+
+def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
+    """What the user gets back as logits: local next to a loss, full otherwise (and exact)."""
+    import torch.distributed as dist
+
+    ref = build(kind)
+    ids, labels = _batch(0, 2, seq_len, False)
+    full = ref(input_ids=ids).logits
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_len = -(-seq_len // world)
+    out = {}
+    default = autosp.compile(copy.deepcopy(ref))
+    with_labels = default(input_ids=ids, labels=labels).logits
+    out["with_labels_len"] = with_labels.shape[1]
+    lo = rank * local_len
+    hi = min(lo + local_len, seq_len)
+    out["with_labels_err"] = _rel(with_labels[:, : hi - lo], full[:, lo:hi])
+    no_labels = autosp.compile(copy.deepcopy(ref))(input_ids=ids).logits
+    out["no_labels_len"], out["no_labels_err"] = no_labels.shape[1], _rel(no_labels, full)
+    gathered = autosp.compile(copy.deepcopy(ref), gather_outputs=True)(input_ids=ids, labels=labels).logits
+    out["gathered_len"], out["gathered_err"] = gathered.shape[1], _rel(gathered, full)
+    out["local_len"] = local_len
+    return out

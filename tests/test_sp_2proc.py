@@ -49,3 +49,10 @@ def test_eager_attention_is_refused_by_name(pool):
 def test_registered_torch_compile_backend(pool):
     for r in run_ok(pool, "backend_compare"):
         assert r["loss_err"] <= LOSS_TOL and r["grad_err"] <= GRAD_TOL, r
+
+
+def test_logits_local_next_to_a_loss_full_otherwise(pool):
+    for r in run_ok(pool, "logits_shapes"):
+        assert r["with_labels_len"] == r["local_len"] and r["with_labels_err"] < 1e-5, r
+        assert r["no_labels_len"] == 33 and r["no_labels_err"] < 1e-5, r
+        assert r["gathered_len"] == 33 and r["gathered_err"] < 1e-5, r

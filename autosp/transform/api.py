@@ -32,13 +32,16 @@ _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 def compile(model: nn.Module, *, strategy: str = "auto", sp_size: int | None = None,
             group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
-            gather_outputs: bool = True) -> nn.Module:
+            gather_outputs: bool | None = None) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
     data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP;
-    ``gather_outputs=False`` returns sequence-sharded outputs (e.g. logits) as this rank's
-    tokens instead of all-gathering them (the loss is global either way).
+    ``gather_outputs``: sequence-sharded outputs (logits) come back all-gathered (True), as
+    this rank's tokens (False), or by default all-gathered only from graphs that compute no
+    loss: a model called with labels returns the global loss and this rank's logits (full
+    logits at 128k tokens would cost every rank what SP saves), one called without labels,
+    or whose loss follows a graph break, returns full logits.
     Without an initialised process group there is nothing to split: the model is returned
     as it is, with a warning, so one training script runs alone or under torchrun.
     """
@@ -72,7 +75,7 @@ class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, strategy: str, reduce_grads: bool,
-                 gather_outputs: bool = True):
+                 gather_outputs: bool | None = None):
         super().__init__()
         self.module = module
         self.group = group
@@ -117,7 +120,7 @@ class SequenceParallel(nn.Module):
         with unpacked_positions(self._is_hf and "position_ids" not in named):
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
-        if padded_len == seq_len or not self.gather_outputs:
+        if padded_len == seq_len or self.state.local_outputs:
             return out
         return _trim(out, padded_len, seq_len)
 

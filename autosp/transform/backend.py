@@ -30,6 +30,11 @@ class BackendState:
         return sum(r.attention for r in self.reports)
 
     @property
+    def local_outputs(self) -> bool:
+        """Some graph returned sharded outputs as this rank's tokens (not trimmed to the length)."""
+        return any(r.local_outputs for r in self.reports)
+
+    @property
     def unmasked_noncausal(self) -> bool:
         return any(r.unmasked_noncausal for r in self.reports)
 
@@ -47,7 +52,7 @@ def _eager_attention_sites(gm: fx.GraphModule) -> list[str]:
 
 
 def make_backend(group: dist.ProcessGroup, strategy: str = "ulysses",
-                 state: BackendState | None = None, gather_outputs: bool = True) -> Callable:
+                 state: BackendState | None = None, gather_outputs: bool | None = None) -> Callable:
     state = state if state is not None else BackendState()
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:

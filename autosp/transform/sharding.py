@@ -19,8 +19,9 @@ Propagation, in graph order:
     divided by the SP degree;
   * everything else stays R (masks, rotary tables, label shifting: cheap,
     computed on the full sequence, sliced where used).
-  * graph outputs that are S are all-gathered, so the next graph (after a
-    graph break) and the user see single-device shapes.
+  * graph outputs that are S are all-gathered when the graph computes no loss,
+    so the next graph (a loss after a graph break) sees single-device shapes;
+    next to a loss they stay this rank's tokens unless ``gather_outputs=True``.
 
 Ops that mix tokens along a sharded sequence dim (a softmax or cumsum over it,
 slicing it, ...) are refused with the op and source line named, never run
@@ -61,7 +62,10 @@ class ShardContext:
     world: int
     rank: int
     strategy: str = "ulysses"
-    gather_outputs: bool = True     # all-gather sharded graph outputs (single-device shapes)
+    # all-gather sharded graph outputs: True, False, or None = only in graphs that compute no
+    # loss (a loss after a graph break needs full logits; a 128k x 128k-vocab logits tensor
+    # gathered next to the loss would cost every rank the memory SP exists to save)
+    gather_outputs: bool | None = None
 
 
 @dataclass
@@ -71,6 +75,8 @@ class ShardReport:
     sliced_inputs: list[str] = field(default_factory=list)
     gathered_outputs: int = 0
     unmasked_noncausal: bool = False
+    global_reductions: int = 0
+    local_outputs: int = 0
 
 
 def _name(n: fx.Node) -> str:
@@ -139,8 +145,13 @@ class Sharder:
             if n.op in ("placeholder", "get_attr"):
                 self.place[n] = None
             elif n.op == "output":
-                if self.ctx.gather_outputs:
+                gather = self.ctx.gather_outputs
+                if gather or (gather is None and not self.report.global_reductions):
                     self._gather_outputs(n)
+                else:
+                    self.report.local_outputs = sum(
+                        1 for x in torch.utils._pytree.tree_leaves(n.args)
+                        if isinstance(x, fx.Node) and self.place.get(x) not in (None, (-1,)))
             elif n.op == "call_module":
                 raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
             else:
@@ -252,6 +263,7 @@ class Sharder:
         reduction = n.kwargs.get("reduction", n.args[6] if len(n.args) > 6 else "mean")
         self.place[n] = self.seq_dims(_val(n)) or None if reduction == "none" else None
         self.report.sharded_ops += 1
+        self.report.global_reductions += reduction != "none"
 
     def _is_full_reduction(self, n: fx.Node) -> bool:
         name = _name(n)
@@ -265,6 +277,7 @@ class Sharder:
         n.op, n.target = "call_function", fn
         n.kwargs = {"group_name": self.ctx.group_name}
         self.place[n] = None
+        self.report.global_reductions += 1
 
     def _check_token_wise(self, n: fx.Node) -> None:
         name = _name(n)
