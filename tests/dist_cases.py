@@ -89,10 +89,10 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     return out
 
 
-def expect_error(kind: str, seq_len: int = 32, **cfg: Any) -> str:
+def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: Any) -> str:
     """The AutospError message autosp gives for this model, or '' if it ran."""
     model = build(kind, **cfg)
-    sp = autosp.compile(model)
+    sp = autosp.compile(model, strategy=strategy)
     ids, labels = _batch(0, 1, seq_len, False)
     try:
         _loss(sp, kind, ids, labels)
@@ -148,4 +148,31 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
     gathered = autosp.compile(copy.deepcopy(ref), gather_outputs=True)(input_ids=ids, labels=labels).logits
     out["gathered_len"], out["gathered_err"] = gathered.shape[1], _rel(gathered, full)
     out["local_len"] = local_len
+    return out
+
+
+def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...] = (2, 4)) -> dict[str, int]:
+    """Peak bytes allocated by ring attention forward+backward on one rank, per (P, S)."""
+    import torch.distributed as dist
+    from memtrack import PeakBytes
+
+    from autosp.transform.layout import all_chunks
+    from autosp.transform.ring import ring_backward, ring_forward
+
+    groups = {p: dist.new_group(list(range(p))) for p in degrees}   # every rank creates every group
+    out: dict[str, int] = {}
+    for p in degrees:
+        if dist.get_rank() >= p:
+            continue
+        pg = groups[p]
+        for s in seq_lens:
+            g = torch.Generator().manual_seed(s)
+            q, k, v = (torch.randn(1, h, s // p, 32, generator=g) for h in (8, 2, 2))
+            chunks = all_chunks("contiguous", p)
+            with PeakBytes() as mem:
+                o, lse = ring_forward(q, k, v, chunks, True, 32 ** -0.5, pg)
+                ring_backward(torch.ones_like(o), q, k, v, o, lse, chunks, True, 32 ** -0.5, pg)
+            out[f"{p}x{s}"] = mem.peak
+        dist.barrier(group=pg)
+    dist.barrier()
     return out

@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         if msg is None:
             break
         name, kwargs = msg
+        torch._dynamo.reset()        # each case compiles fresh models: no recompile-limit carry-over
         try:
             result = ("ok", getattr(dist_cases, name)(**kwargs))
         except Exception as e:  # noqa: BLE001 - sent back to the test as text

@@ -56,3 +56,14 @@ def test_logits_local_next_to_a_loss_full_otherwise(pool):
         assert r["with_labels_len"] == r["local_len"] and r["with_labels_err"] < 1e-5, r
         assert r["no_labels_len"] == 33 and r["no_labels_err"] < 1e-5, r
         assert r["gathered_len"] == 33 and r["gathered_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv"])
+@pytest.mark.parametrize("kind", ["llama", "reference"])
+def test_other_strategies_match_single_device(pool, strategy, kind):
+    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2))
+
+
+def test_mixed_strategies_per_layer(pool):
+    # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
+    check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]))

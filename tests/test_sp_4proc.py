@@ -31,5 +31,32 @@ def test_other_sdpa_families_need_no_code(pool, kind):
 
 
 def test_heads_that_ulysses_cannot_split(pool):
-    msgs = run_ok(pool, "expect_error", kind="llama", heads=6, kv=2)
+    msgs = run_ok(pool, "expect_error", kind="llama", heads=6, kv=2, strategy="ulysses")
     assert "6 query heads" in msgs[0] and "SP degree 4" in msgs[0] and "ring" in msgs[0]
+    assert "hybrid" in msgs[0]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"])
+@pytest.mark.parametrize("kind", ["llama", "reference"])
+def test_other_strategies_match_single_device(pool, strategy, kind):
+    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid:2x2", "auto"])
+def test_more_ranks_than_heads(pool, strategy):
+    # 2 query heads, 1 KV head, 4 ranks: Ulysses cannot split them; ring and hybrid can.
+    check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, heads=2, kv=1, seq_len=30))
+
+
+def test_mixed_per_layer_plan(pool):
+    check_exact(run_ok(pool, "train_compare", kind="reference", strategy=["allgather_kv", "hybrid:2x2"]))
+
+
+def test_ring_memory_grows_as_s_over_p(pool):
+    (m, *_rest) = run_ok(pool, "ring_memory")
+    # Same tokens per rank (S/P) -> same bytes, whatever S and P are.
+    assert m["4x1024"] == pytest.approx(m["2x512"], rel=0.15), m
+    # Twice the sequence at a fixed degree -> twice the bytes (linear, not quadratic) ...
+    assert m["2x1024"] == pytest.approx(2 * m["2x512"], rel=0.15), m
+    # ... and twice the degree at a fixed sequence -> half the bytes.
+    assert m["4x1024"] == pytest.approx(m["2x1024"] / 2, rel=0.15), m

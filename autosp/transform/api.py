@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,19 +24,27 @@ import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.hf_compat import unpacked_positions
-from autosp.transform.backend import BackendState, make_backend
+from autosp.transform.attention import STRATEGIES as _ATTENTION_STRATEGIES
+from autosp.transform.backend import BackendState, SPConfig, make_backend
+from autosp.transform.layout import LAYOUTS, n_chunks
 
-STRATEGIES = ("auto", "ulysses")
+STRATEGIES = ("auto",) + tuple(st for st in _ATTENTION_STRATEGIES if st != "hybrid")
 _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
-def compile(model: nn.Module, *, strategy: str = "auto", sp_size: int | None = None,
-            group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
+def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
+            sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
+    ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
+    ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"``, ``"hybrid:UxR"`` (Ulysses degree U
+    inside groups of consecutive ranks, ring degree R across), or a list with one of these
+    per attention layer (mixed plans; at most one hybrid shape).
+    ``layout``: ``"contiguous"`` or ``"zigzag"`` token layout for every sharded tensor
+    (default: zigzag when a layer uses ``zigzag_ring``, else contiguous).
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
-    data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP;
+    data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP.
     ``gather_outputs``: sequence-sharded outputs (logits) come back all-gathered (True), as
     this rank's tokens (False), or by default all-gathered only from graphs that compute no
     loss: a model called with labels returns the global loss and this rank's logits (full
@@ -45,8 +53,10 @@ def compile(model: nn.Module, *, strategy: str = "auto", sp_size: int | None = N
     Without an initialised process group there is nothing to split: the model is returned
     as it is, with a warning, so one training script runs alone or under torchrun.
     """
-    if strategy not in STRATEGIES:
-        raise AutospError(f"unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}")
+    strategies = [strategy] if isinstance(strategy, str) else list(strategy)
+    for st in strategies:
+        if st not in STRATEGIES and not st.startswith("hybrid:"):
+            raise AutospError(f"unknown strategy '{st}'; use one of {', '.join(STRATEGIES)} or 'hybrid:UxR'")
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1) or group is not None:
             raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
@@ -58,7 +68,43 @@ def compile(model: nn.Module, *, strategy: str = "auto", sp_size: int | None = N
         group = _sp_group(sp_size)
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
-    return SequenceParallel(model, group, "ulysses", reduce_grads, gather_outputs)
+    wants_zigzag = "zigzag_ring" in strategies
+    if layout is None:
+        layout = "zigzag" if wants_zigzag else "contiguous"
+    if layout not in LAYOUTS:
+        raise AutospError(f"unknown layout '{layout}'; use 'contiguous' or 'zigzag'")
+    if wants_zigzag and layout != "zigzag":
+        raise AutospError("strategy 'zigzag_ring' needs layout='zigzag' (the layout is one global choice)")
+    config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs)
+    _hybrid_groups(config, strategies)
+    return SequenceParallel(model, config, reduce_grads)
+
+
+def _hybrid_groups(config: SPConfig, strategies: list[str]) -> None:
+    """Create the Ulysses (consecutive ranks) and ring groups of a ``hybrid:UxR`` strategy."""
+    shapes = {st for st in strategies if st.startswith("hybrid")}
+    if not shapes:
+        return
+    if len(shapes) > 1:
+        raise AutospError(f"one hybrid shape per model, got {sorted(shapes)}")
+    (shape,) = shapes
+    world = dist.get_world_size(config.group)
+    try:
+        u, r = (int(x) for x in shape.split(":", 1)[1].lower().split("x"))
+    except ValueError:
+        raise AutospError(f"bad hybrid strategy '{shape}'; write hybrid:UxR, e.g. hybrid:2x2") from None
+    if u * r != world or u < 1 or r < 1:
+        raise AutospError(f"'{shape}' needs U x R = {u * r} ranks but the SP group has {world}; "
+                          f"pick U x R = {world}")
+    ranks = dist.get_process_group_ranks(config.group)
+    for g in range(r):       # every rank must create every group, in the same order
+        pg = dist.new_group([ranks[g * u + j] for j in range(u)])
+        if dist.get_rank(config.group) // u == g:
+            config.ulysses_group = pg
+    for j in range(u):
+        pg = dist.new_group([ranks[g * u + j] for g in range(r)])
+        if dist.get_rank(config.group) % u == j:
+            config.ring_group = pg
 
 
 def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
@@ -74,17 +120,21 @@ def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
 class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, strategy: str, reduce_grads: bool,
-                 gather_outputs: bool | None = None):
+    def __init__(self, module: nn.Module, config: SPConfig, reduce_grads: bool):
         super().__init__()
         self.module = module
-        self.group = group
-        self.sp_degree = dist.get_world_size(group)
+        self.config = config
+        self.group = config.group
+        self.sp_degree = dist.get_world_size(config.group)
+        # zigzag cuts the sequence into 2P chunks: pad to a multiple of that
+        self.pad_multiple = n_chunks(config.layout, self.sp_degree)
         self.state = BackendState()
-        self.gather_outputs = gather_outputs
         # Not registered as a submodule: it wraps the same parameters.
+        # dynamic=True: every input dim is symbolic (parameters stay static), so the sequence
+        # length is a symbol in every graph, also in a loss graph after a graph break whose
+        # inputs (gathered logits) no hint could mark.
         object.__setattr__(self, "_compiled",
-                           torch.compile(module, backend=make_backend(group, strategy, self.state, gather_outputs)))
+                           torch.compile(module, backend=make_backend(config, self.state), dynamic=True))
         self._signature = inspect.signature(module.forward)
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         self._checked = False
@@ -102,22 +152,20 @@ class SequenceParallel(nn.Module):
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
-        padded_len = -(-seq_len // self.sp_degree) * self.sp_degree
+        padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
-            warnings.warn(f"sequence length {seq_len} is not divisible by {self.sp_degree} (SP degree); "
+            what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
+            warnings.warn(f"sequence length {seq_len} is not divisible by {self.pad_multiple} ({what}); "
                           f"autosp pads it to {padded_len} and masks the padding", stacklevel=2)
         for name, value in list(named.items()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-                value = _pad_seq(value, name, padded_len)
-                if padded_len > 1:
-                    # a hint, not a constraint: a graph with no attention (a loss after a
-                    # graph break) may specialise the length without harm
-                    torch._dynamo.maybe_mark_dynamic(value, 1)
-                named[name] = value
+                named[name] = _pad_seq(value, name, padded_len)
         if self._is_hf and "use_cache" in self._signature.parameters and "use_cache" not in named:
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
-        with unpacked_positions(self._is_hf and "position_ids" not in named):
+        # Python ints stay constants (e.g. HF's logits_to_keep=0 must read as "keep all").
+        with unpacked_positions(self._is_hf and "position_ids" not in named), \
+                torch._dynamo.config.patch(specialize_int=True):
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
         if padded_len == seq_len or self.state.local_outputs:
@@ -137,6 +185,11 @@ class SequenceParallel(nn.Module):
         if self._checked:
             return
         self._checked = True
+        if not self.state.reports:
+            raise AutospError(
+                "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
+                f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
+                "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
         if self.state.attention_ops == 0:
             found = "; ".join(self.state.eager_attention) or "no attention op at all"
             raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "

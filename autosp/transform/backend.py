@@ -51,13 +51,30 @@ def _eager_attention_sites(gm: fx.GraphModule) -> list[str]:
     return sites
 
 
-def make_backend(group: dist.ProcessGroup, strategy: str = "ulysses",
-                 state: BackendState | None = None, gather_outputs: bool | None = None) -> Callable:
+@dataclass
+class SPConfig:
+    """How one compiled model is parallelised (the groups exist on every rank)."""
+
+    group: dist.ProcessGroup
+    strategy: str | list[str] = "auto"
+    layout: str = "contiguous"
+    gather_outputs: bool | None = None
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+
+
+def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
+    group = config.group
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        ctx = ShardContext(group_name=group.group_name, world=dist.get_world_size(group),
-                           rank=dist.get_rank(group), strategy=strategy, gather_outputs=gather_outputs)
+        ctx = ShardContext(
+            group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
+            strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
+            ulysses_group=config.ulysses_group.group_name if config.ulysses_group else None,
+            ring_group=config.ring_group.group_name if config.ring_group else None,
+            ring_size=dist.get_world_size(config.ring_group) if config.ring_group else 1,
+            attention_offset=state.attention_ops)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         state.reports.append(shard_graph(gm, example_inputs, ctx))
@@ -72,7 +89,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     if not dist.is_initialized():
         raise AutospError("backend 'autosp' needs torch.distributed initialised; call "
                           "torch.distributed.init_process_group() first (torchrun sets the environment)")
-    return make_backend(dist.group.WORLD)(gm, example_inputs)
+    return make_backend(SPConfig(dist.group.WORLD))(gm, example_inputs)
 
 
 def register() -> None:

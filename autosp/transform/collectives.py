@@ -116,3 +116,36 @@ def _ag_backward(ctx, grad: Tensor):
 
 
 all_gather.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+# --------------------------------------------------------------- all_gather with reduce-scatter
+
+@torch.library.custom_op("autosp::all_gather_rs", mutates_args=())
+def all_gather_rs(x: Tensor, dim: int, group_name: str) -> Tensor:
+    """All-gather whose backward *sums* the gradient shards (every rank used the gathered
+    tensor, e.g. gathered K/V read by each rank's queries)."""
+    return all_gather(x, dim, group_name)
+
+
+@all_gather_rs.register_fake
+def _(x: Tensor, dim: int, group_name: str) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * group_size(group_name)
+    return x.new_empty(shape)
+
+
+def _agrs_backward(ctx, grad: Tensor):
+    pg = resolve_group(ctx.group_name)
+    p, r = dist.get_world_size(pg), dist.get_rank(pg)
+    n = grad.shape[ctx.dim] // p
+    if dist.get_backend(pg) == "nccl":
+        parts = torch.stack(grad.chunk(p, dim=ctx.dim)).contiguous()
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter_tensor(out, parts, group=pg)
+        return out, None, None
+    total = grad.contiguous().clone()          # gloo has no reduce-scatter: all-reduce, keep ours
+    dist.all_reduce(total, group=pg)
+    return total.narrow(ctx.dim, r * n, n), None, None
+
+
+all_gather_rs.register_autograd(_agrs_backward, setup_context=_ag_setup)

@@ -1,9 +1,12 @@
 """Token layout: which tokens each rank holds, and moving tensors between layouts.
 
-Contiguous layout: with P ranks and a (padded) sequence of S tokens, rank r
-holds tokens ``[r*S/P, (r+1)*S/P)``. A sequence dim may be *flattened* with
-leading dims (``[B*S, V]`` logits in a loss): its size is ``c * S`` and the
-token index is the inner one, so it is viewed as ``[c, S]`` before slicing.
+The (padded) sequence of S tokens is cut into equal chunks:
+  contiguous  P chunks, rank r holds chunk r
+  zigzag      2P chunks, rank r holds chunks r and 2P-1-r (balances causal work:
+              every rank gets one early and one late chunk)
+Each rank's tokens are its chunks concatenated in that order. A sequence dim may
+be *flattened* with leading dims (``[B*S, V]`` logits in a loss): its size is
+``c * S`` and the token index is the inner one, so it is viewed as ``[c, S]``.
 """
 
 from __future__ import annotations
@@ -13,26 +16,61 @@ from torch import Tensor
 
 from autosp.transform.collectives import all_gather
 
+LAYOUTS = ("contiguous", "zigzag")
 
-def slice_seq(x: Tensor, dim: int, full_len: int, rank: int, world: int) -> Tensor:
+
+def rank_chunks(layout: str, rank: int, world: int) -> list[int]:
+    if layout == "zigzag":
+        return [rank, 2 * world - 1 - rank]
+    return [rank]
+
+
+def all_chunks(layout: str, world: int) -> list[int]:
+    """Chunk ids of ranks 0..P-1, concatenated: the order an all-gather produces."""
+    return [c for r in range(world) for c in rank_chunks(layout, r, world)]
+
+
+def n_chunks(layout: str, world: int) -> int:
+    return 2 * world if layout == "zigzag" else world
+
+
+def _as_tokens(x: Tensor, dim: int, full_len: int) -> tuple[Tensor, list[int], int]:
+    shape = list(x.shape)
+    c = shape[dim] // full_len
+    return x.reshape(shape[:dim] + [c, shape[dim] // c] + shape[dim + 1:]), shape, c
+
+
+def slice_seq(x: Tensor, dim: int, full_len: int, rank: int, world: int, layout: str = "contiguous") -> Tensor:
     """This rank's tokens of a replicated tensor whose ``dim`` holds ``c * full_len`` entries."""
-    size = x.shape[dim]
-    c = size // full_len
-    n = full_len // world
-    if c == 1:
-        return x.narrow(dim, rank * n, n)
-    shape = list(x.shape)
-    y = x.reshape(shape[:dim] + [c, full_len] + shape[dim + 1:]).narrow(dim + 1, rank * n, n)
-    return y.reshape(shape[:dim] + [c * n] + shape[dim + 1:])
+    y, shape, c = _as_tokens(x, dim, full_len)
+    n = full_len // n_chunks(layout, world)
+    parts = [y.narrow(dim + 1, k * n, n) for k in rank_chunks(layout, rank, world)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim + 1)
+    return y.reshape(shape[:dim] + [c * y.shape[dim + 1]] + shape[dim + 1:])
 
 
-def gather_seq(x: Tensor, dim: int, full_len: int, world: int, group_name: str) -> Tensor:
+def to_natural_order(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
+    """Reorder a tensor whose ``dim`` holds all ranks' tokens in rank order into token order."""
+    if layout == "contiguous":
+        return x
+    order = all_chunks(layout, world)
+    parts = x.chunk(len(order), dim=dim)
+    return torch.cat([parts[order.index(k)] for k in range(len(order))], dim=dim)
+
+
+def to_rank_order(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
+    """Inverse of :func:`to_natural_order`."""
+    if layout == "contiguous":
+        return x
+    parts = x.chunk(n_chunks(layout, world), dim=dim)
+    return torch.cat([parts[k] for k in all_chunks(layout, world)], dim=dim)
+
+
+def gather_seq(x: Tensor, dim: int, full_len: int, world: int, group_name: str,
+               layout: str = "contiguous") -> Tensor:
     """Inverse of :func:`slice_seq`: every rank gets the full tensor (autograd: own slice back)."""
-    local_len = full_len // world
-    size = x.shape[dim]
-    c = size // local_len
-    if c == 1:
-        return all_gather(x, dim, group_name)
+    c = x.shape[dim] * world // full_len
     shape = list(x.shape)
-    y = all_gather(x.reshape(shape[:dim] + [c, local_len] + shape[dim + 1:]), dim + 1, group_name)
+    y = x.reshape(shape[:dim] + [c, shape[dim] // c] + shape[dim + 1:])
+    y = to_natural_order(all_gather(y, dim + 1, group_name), dim + 1, layout, world)
     return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])

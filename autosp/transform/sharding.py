@@ -40,7 +40,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autosp.errors import AutospError
-from autosp.transform.attention import check_ulysses_heads, ulysses_attention
+from autosp.transform.attention import (allgather_kv_attention, check_ulysses_heads, hybrid_attention,
+                                        ring_attention_sp, ulysses_attention)
 from autosp.transform.layout import gather_seq, slice_seq
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy
 
@@ -61,7 +62,13 @@ class ShardContext:
     group_name: str
     world: int
     rank: int
-    strategy: str = "ulysses"
+    # one strategy for every attention op, or one per attention op in execution order
+    strategy: str | list[str] = "ulysses"
+    layout: str = "contiguous"
+    ulysses_group: str | None = None      # hybrid only: groups of u consecutive ranks
+    ring_group: str | None = None         # hybrid only: ranks with the same place in their group
+    attention_offset: int = 0             # attention ops seen in earlier graphs
+    ring_size: int = 1                    # hybrid only: the r of u x r
     # all-gather sharded graph outputs: True, False, or None = only in graphs that compute no
     # loss (a loss after a graph break needs full logits; a 128k x 128k-vocab logits tensor
     # gathered next to the loss would cost every rank the memory SP exists to save)
@@ -76,6 +83,7 @@ class ShardReport:
     gathered_outputs: int = 0
     unmasked_noncausal: bool = False
     global_reductions: int = 0
+    strategies: list[str] = field(default_factory=list)
     local_outputs: int = 0
 
 
@@ -245,14 +253,41 @@ class Sharder:
         if mask is None and not is_causal:
             self.report.unmasked_noncausal = True
         qv, kv = _val(q), _val(k)
-        if self.ctx.strategy == "ulysses":
-            check_ulysses_heads(qv.shape[-3], kv.shape[-3], self.ctx.world, f"attention at {_where(n)}")
+        strategy = self._strategy_for(self.ctx.attention_offset + self.report.attention)
+        where = f"attention {self.ctx.attention_offset + self.report.attention} at {_where(n)}"
+        extra: dict[str, Any] = {"group_name": self.ctx.group_name, "layout": self.ctx.layout}
+        if strategy == "auto":
+            strategy = "ulysses" if qv.shape[-3] % self.ctx.world == 0 else "ring"
+        if strategy == "ulysses":
+            check_ulysses_heads(qv.shape[-3], kv.shape[-3], self.ctx.world, where)
             n.target = ulysses_attention
+        elif strategy in ("ring", "zigzag_ring"):
+            n.target = ring_attention_sp
+        elif strategy == "allgather_kv":
+            n.target = allgather_kv_attention
+        elif strategy.startswith("hybrid"):
+            u = self.ctx.world // self.ctx.ring_size
+            check_ulysses_heads(qv.shape[-3], kv.shape[-3], u, where + f" (Ulysses degree {u} of the hybrid)")
+            n.target = hybrid_attention
+            extra.update(ulysses_group=self.ctx.ulysses_group, ring_group=self.ctx.ring_group)
         else:
-            raise AutospError(f"attention strategy '{self.ctx.strategy}' is not available; use 'ulysses'")
-        n.kwargs = {**n.kwargs, "group_name": self.ctx.group_name}
+            raise AutospError(f"unknown attention strategy '{strategy}' for {where}")
+        if mask is not None and strategy != "ulysses":
+            raise AutospError(f"{where} has an explicit attention mask, which strategy '{strategy}' does not take; "
+                              "use 'ulysses' for this layer or drop the padding mask")
+        n.kwargs = {**n.kwargs, **extra}
         self.place[n] = (qv.dim() - 2,)
         self.report.attention += 1
+        self.report.strategies.append(strategy)
+
+    def _strategy_for(self, index: int) -> str:
+        st = self.ctx.strategy
+        if isinstance(st, str):
+            return st
+        if index >= len(st):
+            raise AutospError(f"the per-layer strategy list has {len(st)} entries but the model has more "
+                              f"attention ops (op {index}); give one strategy per attention layer")
+        return st[index]
 
     def _cross_entropy(self, n: fx.Node) -> None:
         target = n.args[1] if len(n.args) > 1 else n.kwargs["target"]
@@ -340,7 +375,8 @@ class Sharder:
         key = (a, dims[0])
         if key not in self.slices:
             with self.graph.inserting_after(a if a.op != "placeholder" else self._last_placeholder()):
-                s = self.graph.call_function(slice_seq, (a, dims[0], self.full_len, self.ctx.rank, self.ctx.world))
+                s = self.graph.call_function(slice_seq, (a, dims[0], self.full_len, self.ctx.rank, self.ctx.world,
+                                                         self.ctx.layout))
             s.meta = dict(a.meta)
             self.place[s] = dims
             self.slices[key] = s
@@ -395,7 +431,7 @@ class Sharder:
                 dims = self.place[x]
                 with self.graph.inserting_before(out):
                     g = self.graph.call_function(gather_seq, (x, dims[0], self.full_len, self.ctx.world,
-                                                              self.ctx.group_name))
+                                                              self.ctx.group_name, self.ctx.layout))
                 self.report.gathered_outputs += 1
                 return g
             if isinstance(x, (tuple, list)):

@@ -1,0 +1,109 @@
+"""Ring attention: K/V blocks travel around the SP ring; never the full K/V, never an S x S mask.
+
+Forward, on ring rank ``r`` of ``P``: at step ``s`` the rank holds the K/V
+block of rank ``(r - s) mod P``; it starts sending that block to ``r+1`` and
+receiving the next from ``r-1`` (``batch_isend_irecv``), attends its queries to
+the block it holds while the transfer runs, and merges by log-sum-exp (fp32).
+
+Backward rotates K/V the same way; dQ accumulates locally, while each block's
+dK/dV accumulator travels *with* the block: after ``P`` hops it arrives back at
+the block's owner holding every rank's contribution.
+
+Per-rank memory: the local queries, two K/V blocks and one dK/dV accumulator:
+``O(S/P)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autosp.transform.blockwise import acc_dtype, attend_backward, attend_forward, new_accumulator
+from autosp.transform.collectives import resolve_group
+
+
+def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
+    """Start sending ``tensors`` to the next ring rank and receiving as many from the previous."""
+    p, r = dist.get_world_size(pg), dist.get_rank(pg)
+    nxt, prv = dist.get_global_rank(pg, (r + 1) % p), dist.get_global_rank(pg, (r - 1) % p)
+    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, pg) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, prv, pg) for t in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
+    per = len(all_chunks) // world
+    return all_chunks[rank * per:(rank + 1) * per]
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal: bool, scale: float,
+                 pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    p, r = dist.get_world_size(pg), dist.get_rank(pg)
+    q_chunks = _chunks_of(all_chunks, r, p)
+    acc = new_accumulator(q)
+    cur = [k.contiguous(), v.contiguous()]
+    for step in range(p):
+        src = (r - step) % p
+        if step < p - 1:
+            nxt, reqs = _exchange(pg, cur)
+        attend_forward(q, cur[0], cur[1], q_chunks, _chunks_of(all_chunks, src, p), causal, scale, acc)
+        if step < p - 1:
+            for req in reqs:
+                req.wait()
+            cur = nxt
+    return acc[0].to(q.dtype), acc[1]
+
+
+@torch.library.custom_op("autosp::ring_attention", mutates_args=())
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal: bool, scale: float,
+                   group_name: str) -> tuple[Tensor, Tensor]:
+    """``all_chunks``: the chunk ids held by ring ranks 0..P-1, concatenated (equal counts)."""
+    return ring_forward(q, k, v, all_chunks, causal, scale, resolve_group(group_name))
+
+
+@ring_attention.register_fake
+def _(q, k, v, all_chunks, causal, scale, group_name):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
+
+
+def _ring_setup(ctx, inputs, output) -> None:
+    q, k, v, ctx.all_chunks, ctx.causal, ctx.scale, ctx.group_name = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = ring_backward(dout, q, k, v, out, lse, ctx.all_chunks, ctx.causal, ctx.scale,
+                          resolve_group(ctx.group_name))
+    return (*grads, None, None, None, None)
+
+
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, all_chunks: list[int],
+                  causal: bool, scale: float, pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
+    p, r = dist.get_world_size(pg), dist.get_rank(pg)
+    q_chunks = _chunks_of(all_chunks, r, p)
+    dout = dout.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    cur = [k.contiguous(), v.contiguous()]
+    dkv = [torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device),
+           torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)]
+    for step in range(p):
+        src = (r - step) % p
+        if step < p - 1:
+            nxt, reqs = _exchange(pg, cur)
+        attend_backward(dout, q, cur[0], cur[1], out, lse, q_chunks, _chunks_of(all_chunks, src, p),
+                        causal, scale, dq, dkv[0], dkv[1])
+        # The accumulator follows its block; after P hops it is home with every contribution.
+        dkv, dreqs = _exchange(pg, dkv)
+        for req in dreqs:
+            req.wait()
+        if step < p - 1:
+            for req in reqs:
+                req.wait()
+            cur = nxt
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
