@@ -154,7 +154,7 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
 def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...] = (2, 4)) -> dict[str, int]:
     """Peak bytes allocated by ring attention forward+backward on one rank, per (P, S)."""
     import torch.distributed as dist
-    from memtrack import PeakBytes
+    from autosp.costmodel.memory_probe import PeakBytes
 
     from autosp.transform.layout import all_chunks
     from autosp.transform.ring import ring_backward, ring_forward

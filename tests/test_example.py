@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -12,9 +13,16 @@ ARGS = ["--steps", "3", "--seq-len", "256"]
 
 def _losses(cmd: list[str]) -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", r.stdout, re.M)]
+    # Own process group: on a timeout the launcher *and* its workers are killed.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    return [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", out, re.M)]
 
 
 def test_train_tiny_sp2_prints_single_process_losses():

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autosp.costmodel.memory_probe import armed_probe
 from autosp.errors import AutospError
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, shard_graph, _where
 
@@ -63,6 +64,18 @@ class SPConfig:
     ring_group: dist.ProcessGroup | None = None
 
 
+def _probed(fn: Callable) -> Callable:
+    """Run ``fn`` under an armed memory probe, if any (see autosp.costmodel.memory_probe)."""
+    def run(*args: Any) -> Any:
+        probe = armed_probe()
+        if probe is None:
+            return fn(*args)
+        with probe:
+            return fn(*args)
+
+    return run
+
+
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
     group = config.group
@@ -78,7 +91,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         state.reports.append(shard_graph(gm, example_inputs, ctx))
-        return gm.forward
+        return _probed(gm.forward)
 
     backend.state = state  # type: ignore[attr-defined]
     return backend

@@ -1,0 +1,93 @@
+"""Measured memory: peak live bytes of the tensors that ops allocate inside a region.
+
+A dispatch mode sees every op's outputs; an output whose storage is new (not
+one of the op's inputs' storages) counts as allocated until its last Python
+reference dies. Views and in-place results are not double counted. autosp's
+own custom ops (collectives, ring attention) are entered with the mode still
+active, so their internal buffers count too. This is the allocator's view of
+*new* tensor memory during the region (what the memory model predicts), free of
+RSS noise; on CUDA ``torch.cuda.max_memory_allocated`` gives the same quantity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _python_body(func):
+    """The Python function behind a ``torch.library.custom_op`` (None for other ops)."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._schema.name)
+    return getattr(opdef, "_init_fn", None)
+
+
+class PeakBytes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: dict[int, int] = {}
+
+    def _inside(self, func, args, kwargs):
+        body = _python_body(func)
+        if body is None:
+            return func(*args, **kwargs)
+        with self:                     # re-enter: the body's own ops come back to this mode
+            return body(*args, **kwargs)
+
+    def _free(self, ptr: int) -> None:
+        self.live -= self._tracked.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "autosp":      # look inside our own ops: their buffers count
+            out = self._inside(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+            if nbytes == 0 or ptr in inputs or ptr in self._tracked:
+                continue
+            self._tracked[ptr] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, ptr)
+        return out
+
+
+# torch.compile runs no compiled code while a dispatch mode is active (it falls back to
+# eager, i.e. *unsharded*, execution), so a probe cannot wrap a compiled model's call.
+# Instead it is *armed* here, and autosp's backend enters it inside each compiled graph.
+_ARMED: list[PeakBytes] = []
+
+
+@contextlib.contextmanager
+def armed(probe: PeakBytes) -> Iterator[PeakBytes]:
+    """Measure autosp-compiled graphs: they enter ``probe`` while they run.
+
+        probe = PeakBytes()
+        with armed(probe):
+            loss = sp_model(...)            # graphs run under the probe
+            with probe:
+                loss.backward()             # backward is eager: enter it directly
+    """
+    _ARMED.append(probe)
+    try:
+        yield probe
+    finally:
+        _ARMED.pop()
+
+
+def armed_probe() -> PeakBytes | None:
+    return _ARMED[-1] if _ARMED else None
