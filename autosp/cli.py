@@ -61,6 +61,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if worst < 1e-5 else 1
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from autosp.costmodel.profiler import measure
+
+    if "RANK" in os.environ and not dist.is_initialized():       # launched by torchrun
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    doc = measure(args.out, quick=args.quick, budget_s=args.budget)
+    if doc:
+        n = sum(len(v) for t in doc["compute"].values() for v in (t.values() if isinstance(t, dict) else [t]))
+        c = sum(len(rows) for col in doc["collectives"].values() for rows in col["intra"].values())
+        print(f"wrote {args.out}: {n} compute points, {c} collective points")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from autosp.catalog import CATALOG
 
@@ -94,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=3)
     p.add_argument("--train-seq-len", type=_positive_int, default=1024)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("profile", help="measure a hardware profile here (run under torchrun for collectives)")
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--quick", action="store_true", help="fewer points, about a minute on a 2-core CPU")
+    p.add_argument("--budget", type=float, default=None, help="stop measuring after this many seconds")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("models", help="list the built-in model names")
     p.set_defaults(func=cmd_models)

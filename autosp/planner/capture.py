@@ -353,7 +353,8 @@ def _to_opgraph(built: _Built, gm: torch.fx.GraphModule, shape_env: Any, canon: 
                    seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
                    flops=op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes),
                    bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
-                   bytes_saved=0)
+                   bytes_saved=0, in_shapes=arg_shapes if kind == OpKind.ATTENTION else None,
+                   index=i)
         for a in n.all_input_nodes:
             if a.name in g:
                 g.add_edge(a.name, n.name)

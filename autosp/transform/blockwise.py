@@ -42,6 +42,9 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     if q.device.type == "cuda":
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise AutospError(f"ring / all-gather-KV attention on CUDA uses the flash kernel, which takes bf16 or "
+                              f"fp16, not {q.dtype}; train in bf16 or use strategy='ulysses'")
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
     raise AutospError(f"blockwise attention has no kernel for device '{q.device.type}'; use strategy='ulysses'")
@@ -52,11 +55,11 @@ def kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    lq, lk = q.shape[-2], k.shape[-2]
-    empty = torch.empty(0, dtype=torch.int32, device=q.device)
-    seed = torch.zeros(2, dtype=torch.uint64, device=q.device) if hasattr(torch, "uint64") else empty
+    # Dense (not varlen) flash kernel, no dropout: no cumulative lengths, RNG state unused.
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     res = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, lq, lk, 0.0, causal, seed, seed, scale=scale)
+        dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
     return res[0], res[1], res[2]
 
 

@@ -1,0 +1,91 @@
+"""Table lookups: monotone log-log interpolation, and an alpha-beta fit for collectives.
+
+Measured tables are noisy: a larger transfer can time faster than a smaller one.
+``monotone`` replaces each time by the running maximum over sizes, so that a
+prediction never decreases with size. Between points, time is interpolated
+linearly in log(size)-log(time) space; beyond the last point it extrapolates
+with the slope of the last segment (at most linear, the bandwidth-bound limit)
+and says so when it goes further than ``FAR`` times the table's range.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import warnings
+from dataclasses import dataclass
+
+FAR = 64.0      # extrapolating past 64x the largest measured size earns a warning
+
+
+def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted by size, sizes > 0, times made non-decreasing."""
+    pts = sorted((float(x), float(t)) for x, t in points if x > 0 and t > 0)
+    out: list[tuple[float, float]] = []
+    best = 0.0
+    for x, t in pts:
+        best = max(best, t)
+        if out and out[-1][0] == x:
+            continue
+        out.append((x, best))
+    return out
+
+
+@dataclass
+class LogLogTable:
+    """Time as a function of size (FLOPs or bytes) from measured points."""
+
+    points: list[tuple[float, float]]
+    what: str = "table"
+
+    def __post_init__(self) -> None:
+        self.points = monotone(self.points)
+        if not self.points:
+            raise ValueError(f"{self.what}: no positive (size, time) points")
+        self._xs = [math.log(x) for x, _ in self.points]
+        self._ys = [math.log(t) for _, t in self.points]
+
+    def __call__(self, size: float) -> float:
+        if size <= 0:
+            return 0.0
+        xs, ys = self._xs, self._ys
+        lx = math.log(size)
+        if len(xs) == 1:
+            return math.exp(ys[0]) * max(1.0, size / self.points[0][0])
+        if lx <= xs[0]:
+            return math.exp(ys[0])                      # below the table: the smallest time (latency)
+        if lx >= xs[-1]:
+            slope = min(1.0, max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])))
+            if size > FAR * self.points[-1][0]:
+                warnings.warn(f"{self.what}: size {size:.3g} is {size / self.points[-1][0]:.0f}x beyond the "
+                              f"largest measured ({self.points[-1][0]:.3g}); extrapolating", stacklevel=3)
+            return math.exp(ys[-1] + slope * (lx - xs[-1]))
+        i = bisect.bisect_right(xs, lx) - 1
+        f = (lx - xs[i]) / (xs[i + 1] - xs[i])
+        return math.exp(ys[i] + f * (ys[i + 1] - ys[i]))
+
+
+@dataclass
+class AlphaBeta:
+    """``time = alpha + bytes / bandwidth``, least squares on the measured points."""
+
+    alpha: float
+    bandwidth: float
+
+    @classmethod
+    def fit(cls, points: list[tuple[float, float]]) -> "AlphaBeta":
+        pts = monotone(points)
+        if len(pts) == 1:
+            x, t = pts[0]
+            return cls(0.0, x / t)
+        n = len(pts)
+        mx = sum(x for x, _ in pts) / n
+        mt = sum(t for _, t in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        beta = sum((x - mx) * (t - mt) for x, t in pts) / sxx if sxx else 0.0
+        beta = max(beta, 1e-15)
+        alpha = max(0.0, mt - beta * mx)
+        return cls(alpha, 1.0 / beta)
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.bandwidth if nbytes > 0 else 0.0

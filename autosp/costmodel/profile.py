@@ -1,0 +1,157 @@
+"""Hardware profiles: versioned JSON tables of op and collective times (see profiles/README.md).
+
+``load_profile("h100-sxm")`` finds a profile shipped inside the package (also from
+an installed wheel); ``load_profile("my.json")`` reads a file. Malformed or
+incomplete profiles are refused with one line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from autosp.costmodel.flops import attention_flops
+from autosp.costmodel.interp import AlphaBeta, LogLogTable
+from autosp.errors import AutospError
+
+SCHEMA = "autosp.profile/1"
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv")
+# Bytes each rank moves, relative to its buffer, in the bandwidth-optimal algorithm:
+# used to carry a table measured at one group size over to another.
+_ALGO_FACTOR = {
+    "all_to_all": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1),          # buffer = one shard
+    "reduce_scatter": lambda p: (p - 1) / p,  # buffer = the full input
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "send_recv": lambda p: 1.0,
+}
+
+
+def shipped_profiles() -> list[str]:
+    root = resources.files("autosp.profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def _read(name_or_path: str) -> tuple[dict, str]:
+    if os.path.exists(name_or_path):
+        path = name_or_path
+        text = open(path).read()
+    else:
+        res = resources.files("autosp.profiles") / f"{name_or_path}.json"
+        if not res.is_file():
+            raise AutospError(f"profile '{name_or_path}' not found: no such file and no shipped profile of that "
+                              f"name; use one of {', '.join(shipped_profiles())} or a path to a profile JSON")
+        path = f"autosp/profiles/{name_or_path}.json"
+        text = res.read_text()
+    try:
+        return json.loads(text), path
+    except json.JSONDecodeError as e:
+        raise AutospError(f"profile {path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-measure it "
+                          "with `autosp profile`") from None
+
+
+def _get(data: dict, path: str, key: str) -> Any:
+    cur: Any = data
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise AutospError(f"profile {path} has no key '{key}'; re-measure it with `autosp profile` or add it")
+        cur = cur[part]
+    return cur
+
+
+@dataclass
+class HardwareProfile:
+    name: str
+    path: str
+    data: dict
+    memory_bytes: float = 0.0
+    devices_per_node: int = 1
+    op_overhead_s: float = 0.0
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def source(self) -> dict:
+        return self.data.get("source", {})
+
+    # -------------------------------------------------------------- compute
+    def _table(self, key: str, points: list) -> LogLogTable:
+        if key not in self._tables:
+            if not points:
+                raise AutospError(f"profile {self.path} has an empty table '{key}'; re-measure it")
+            self._tables[key] = LogLogTable(points, f"{self.name}:{key}")
+        return self._tables[key]
+
+    def _dtype_table(self, kind: str, dtype: str) -> LogLogTable:
+        tables = _get(self.data, self.path, f"compute.{kind}")
+        if dtype not in tables:
+            if not tables:
+                raise AutospError(f"profile {self.path} has no key 'compute.{kind}.{dtype}'")
+            dtype = "bfloat16" if "bfloat16" in tables else next(iter(tables))
+        rows = tables[dtype]
+        pts = [(_row_flops(kind, r), r["seconds"]) for r in rows]
+        return self._table(f"compute.{kind}.{dtype}", pts)
+
+    def matmul_time(self, flops: float, dtype: str) -> float:
+        return self._dtype_table("matmul", dtype)(flops) if flops > 0 else 0.0
+
+    def attention_time(self, flops: float, dtype: str, backward: bool = False) -> float:
+        """Fused attention; ``flops`` in the convention of autosp.costmodel.flops (causal halved)."""
+        if flops <= 0:
+            return 0.0
+        if backward and self.data["compute"].get("attention_backward"):
+            return self._dtype_table("attention_backward", dtype)(flops)
+        return self._dtype_table("attention", dtype)(flops / (2 if backward else 1)) * (2 if backward else 1)
+
+    def memory_bound_time(self, nbytes: float) -> float:
+        rows = _get(self.data, self.path, "compute.memory_bound")
+        return self._table("compute.memory_bound", [(r["bytes"], r["seconds"]) for r in rows])(nbytes)
+
+    # -------------------------------------------------------------- communication
+    def collective_time(self, name: str, group_size: int, nbytes: float, inter: bool = False) -> float:
+        """Seconds for one collective of ``nbytes`` per-rank buffer over ``group_size`` ranks."""
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        where = "inter" if inter and self.devices_per_node < group_size else "intra"
+        by_size = _get(self.data, self.path, f"collectives.{name}.{where}")
+        if not by_size:
+            raise AutospError(f"profile {self.path} has no key 'collectives.{name}.{where}' entries; measure it")
+        sizes = sorted(int(k) for k in by_size)
+        p0 = group_size if group_size in sizes else min(sizes, key=lambda s: abs(s - group_size))
+        key = f"collectives.{name}.{where}.{p0}"
+        if key not in self._tables:
+            pts = [(r["bytes"], r["seconds"]) for r in by_size[str(p0)]]
+            self._tables[key] = (LogLogTable(pts, f"{self.name}:{key}"), AlphaBeta.fit(pts))
+        table, fit = self._tables[key]
+        scale = _ALGO_FACTOR[name](group_size) / _ALGO_FACTOR[name](p0)
+        scaled = nbytes * scale
+        largest = table.points[-1][0]
+        return fit(scaled) if scaled > largest else table(scaled)
+
+
+def _row_flops(kind: str, r: dict) -> float:
+    if "flops" in r:
+        return float(r["flops"])
+    if kind == "matmul":
+        return 2.0 * r["m"] * r["n"] * r["k"] * r.get("batch", 1)
+    q = (r["batch"], r["heads"], r["q_len"], r["head_dim"])
+    k = (r["batch"], r["heads"], r["kv_len"], r["head_dim"])
+    return float(attention_flops(q, k, bool(r.get("causal", False)), bool(r.get("backward", False))))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name (``autosp.costmodel.profile.shipped_profiles()``) or a JSON file."""
+    data, path = _read(name_or_path)
+    if not isinstance(data, dict):
+        raise AutospError(f"profile {path} must hold a JSON object, not {type(data).__name__}")
+    schema = _get(data, path, "schema")
+    if schema != SCHEMA:
+        raise AutospError(f"profile {path} has schema '{schema}', this autosp reads '{SCHEMA}'; re-measure it")
+    for key in ("compute.matmul", "compute.attention", "compute.memory_bound", "collectives", "memory_bytes",
+                "devices_per_node"):
+        _get(data, path, key)
+    return HardwareProfile(name=data.get("name", os.path.basename(path)), path=path, data=data,
+                           memory_bytes=float(data["memory_bytes"]), devices_per_node=int(data["devices_per_node"]),
+                           op_overhead_s=float(data.get("op_overhead_s", 0.0)))

@@ -1,0 +1,217 @@
+"""``autosp profile``: measure a hardware profile on the machines it runs on.
+
+    torchrun --nproc-per-node 2 -m autosp.cli profile --out my.json [--quick]
+
+Rank 0 times compute (matmul, attention forward/backward, a memory-bound op,
+the per-op floor) with one device per rank (on CPU: one core, one thread);
+every rank takes part in the collectives over the whole group and, when the
+world has 4+ ranks, over its first 2. Each point: warm-up, repeats, median;
+tables are made monotone when loaded. A time budget bounds the whole run
+(``--quick``: about 1 minute on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autosp.costmodel.profile import SCHEMA
+
+
+def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _grids(quick: bool, cuda: bool) -> dict[str, list]:
+    if cuda:
+        mm = [(m, 4096, 4096) for m in (256, 1024, 4096, 16384)] + [(4096, 14336, 4096), (8192, 8192, 8192)]
+        attn = [(1, 32, s, 128) for s in (1024, 2048, 4096, 8192, 16384)]
+        mem = [2 ** p for p in range(16, 31, 2)]
+        coll = [2 ** p for p in range(12, 31, 3)]
+    else:
+        mm = [(m, 256, 256) for m in (64, 512, 2048, 8192)] + [(2048, 688, 256), (2048, 256, 688),
+                                                                (2048, 2048, 256), (256, 256, 2048)]
+        attn = [(1, 8, s, 32) for s in (256, 1024, 2048, 4096)]
+        mem = [2 ** p for p in range(12, 27, 2)]
+        coll = [2 ** p for p in range(10, 26, 3)]
+        if not quick:
+            mm += [(16384, 256, 256), (8192, 688, 256), (8192, 2048, 256), (256, 2048, 8192)]
+            attn += [(1, 8, 8192, 32), (1, 8, 16384, 32)]
+            mem += [2 ** 28]
+            coll += [2 ** 27]
+    return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
+
+
+def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dict:
+    from rich.progress import Progress
+
+    cuda = torch.cuda.is_available()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(1)             # one CPU device = one core
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtypes = ["bfloat16", "float32"] if cuda else ["float32"]
+    grids = _grids(quick, cuda)
+    repeats = 3 if quick else 7
+    budget = budget_s or (90.0 if quick else 600.0)
+    start = time.perf_counter()
+    over = lambda: time.perf_counter() - start > budget  # noqa: E731
+
+    compute: dict[str, Any] = {"matmul": {}, "attention": {}, "attention_backward": {}, "memory_bound": []}
+    collectives: dict[str, Any] = {}
+    n_tasks = (len(grids["matmul"]) + 2 * len(grids["attention"])) * len(dtypes) + len(grids["memory"]) + \
+        5 * len(grids["collective"]) * (2 if world >= 4 else 1)
+    with Progress(disable=rank != 0, transient=False) as bar:
+        task = bar.add_task("profiling", total=n_tasks)
+        if rank == 0:
+            for dt in dtypes:
+                dtype = getattr(torch, dt)
+                rows = []
+                for m, n, k in grids["matmul"]:
+                    if over():
+                        break
+                    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+                    rows.append(dict(m=m, n=n, k=k, seconds=_timeit(lambda: a @ b, repeats, sync)))
+                    bar.advance(task)
+                compute["matmul"][dt] = rows
+                fwd, bwd = [], []
+                for b_, h, s, d in grids["attention"]:
+                    if over():
+                        break
+                    q, k_, v = (torch.randn(b_, h, s, d, device=device, dtype=dtype, requires_grad=True)
+                                for _ in range(3))
+                    o = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+                    g = torch.randn_like(o)
+                    fwd.append(dict(batch=b_, heads=h, q_len=s, kv_len=s, head_dim=d, causal=True,
+                                    seconds=_timeit(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
+                                                    repeats, sync)))
+                    bar.advance(task)
+
+                    def fb() -> None:
+                        out_ = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+                        torch.autograd.grad(out_, (q, k_, v), g)
+
+                    t_fb = _timeit(fb, repeats, sync)
+                    bwd.append(dict(batch=b_, heads=h, q_len=s, kv_len=s, head_dim=d, causal=True, backward=True,
+                                    seconds=max(t_fb - fwd[-1]["seconds"], 1e-9)))
+                    bar.advance(task)
+                compute["attention"][dt] = fwd
+                compute["attention_backward"][dt] = bwd
+            for nbytes in grids["memory"]:
+                if over():
+                    break
+                n = nbytes // 12                     # c = a + b in fp32 moves 3 x 4 bytes per element
+                a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+                compute["memory_bound"].append(dict(bytes=12 * n, seconds=_timeit(lambda: a + b, repeats, sync)))
+                bar.advance(task)
+            tiny = torch.ones(1, device=device)
+            overhead = _timeit(lambda: tiny + tiny, 50, sync)
+        if distributed:
+            groups = [(world, None)]
+            if world >= 4:
+                groups.append((2, dist.new_group([0, 1])))
+            elif world == 3:
+                dist.new_group([0, 1])
+            for p, pg in groups:
+                member = pg is None or rank < p
+                for name in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv"):
+                    rows = []
+                    for nbytes in grids["collective"]:
+                        flag = torch.tensor([1.0 if over() else 0.0], device=device)
+                        dist.all_reduce(flag)          # every rank stops at the same point
+                        if flag.item() > 0:
+                            break
+                        if member:
+                            secs = _time_collective(name, nbytes, p, pg, device, repeats, sync)
+                            rows.append(dict(bytes=nbytes, seconds=secs))
+                        if rank == 0:
+                            bar.advance(task)
+                    dist.barrier()
+                    if rank == 0 and rows:
+                        collectives.setdefault(name, {"intra": {}, "inter": {}})["intra"][str(p)] = rows
+    if rank != 0:
+        return {}
+    doc = {
+        "schema": SCHEMA,
+        "name": out.rsplit("/", 1)[-1].removesuffix(".json"),
+        "source": {"kind": "measured", "where": f"{platform.node()} ({_device_name(cuda)}), {world} rank(s)",
+                   "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "how": f"autosp profile{' --quick' if quick else ''}: median of {repeats} after warm-up",
+                   "torch": torch.__version__},
+        "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else _cpu_memory_per_core(),
+        "devices_per_node": torch.cuda.device_count() if cuda else _cores(),
+        "op_overhead_s": overhead,
+        "compute": compute,
+        "collectives": collectives,
+    }
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
+def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.device, repeats: int,
+                     sync: Callable[[], None]) -> float:
+    n = max(p, nbytes // 4 // p * p)
+    x = torch.randn(n, device=device)
+    if name == "all_to_all":
+        y = torch.empty_like(x)
+        fn = lambda: dist.all_to_all_single(y, x, group=pg)  # noqa: E731
+    elif name == "all_gather":
+        parts = [torch.empty_like(x) for _ in range(p)]
+        fn = lambda: dist.all_gather(parts, x, group=pg)  # noqa: E731
+    elif name == "reduce_scatter":
+        if device.type == "cuda":
+            out = torch.empty(n // p, device=device)
+            fn = lambda: dist.reduce_scatter_tensor(out, x, group=pg)  # noqa: E731
+        else:                                      # gloo: what autosp runs there (all-reduce)
+            fn = lambda: dist.all_reduce(x, group=pg)  # noqa: E731
+    elif name == "all_reduce":
+        fn = lambda: dist.all_reduce(x, group=pg)  # noqa: E731
+    else:
+        r = dist.get_rank(pg) if pg is not None else dist.get_rank()
+        peer = lambda i: dist.get_global_rank(pg, i) if pg is not None else i  # noqa: E731
+        recv = torch.empty_like(x)
+
+        def fn() -> None:
+            ops = [dist.P2POp(dist.isend, x, peer((r + 1) % p), pg), dist.P2POp(dist.irecv, recv, peer((r - 1) % p), pg)]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    return _timeit(lambda: (fn(), dist.barrier(group=pg)), repeats, sync)
+
+
+def _device_name(cuda: bool) -> str:
+    return torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cpu_memory_per_core() -> float:
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / _cores()

@@ -1,0 +1,98 @@
+"""Profiles built from published hardware figures (not measured): h100-sxm, h200-sxm, a100-sxm.
+
+    python -m autosp.costmodel.published      # rewrites autosp/profiles/{h100,h200,a100}-sxm.json
+
+Figures (cited in each file's ``source``):
+  dense bf16 peak   H100/H200 SXM ~989 TFLOP/s, A100 SXM 312 TFLOP/s (NVIDIA datasheets)
+  HBM bandwidth     H100 3.35 TB/s, H200 4.8 TB/s, A100 2.0 TB/s (datasheets)
+  memory            H100 80 GB, H200 141 GB, A100 80 GB (datasheets)
+  NVLink            ~370 GB/s bus bandwidth for all-gather / reduce-scatter / all-to-all-class
+                    collectives, ~480 GB/s for NVLS all-reduce on H100/H200 (nccl-tests, NCCL
+                    maintainers); A100 NVLink3 ~230 GB/s (nccl-tests class figure)
+  InfiniBand NDR    ~48 GB/s per NIC, one NIC per GPU (nccl-tests)
+Assumptions (stated, not published): large bf16 GEMMs reach 75% of dense peak,
+fused attention 55% forward / 45% backward, memory-bound kernels 80% of HBM
+bandwidth, a 5 us launch floor per kernel, collective latency 10 us inside a node
+and 20 us across nodes. Times at each table point follow
+``t = floor + work / (peak * efficiency)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from autosp.costmodel.profile import SCHEMA
+
+GPUS = {
+    "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=80e9, nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM"),
+    "h200-sxm": dict(peak=989e12, hbm=4.8e12, mem=141e9, nvlink=370e9, nvls=480e9, label="NVIDIA H200 SXM"),
+    "a100-sxm": dict(peak=312e12, hbm=2.0e12, mem=80e9, nvlink=230e9, nvls=230e9, label="NVIDIA A100 SXM"),
+}
+IB = 48e9
+EFF = dict(matmul=0.75, attention=0.55, attention_backward=0.45, memory=0.80)
+FLOOR, LAT_INTRA, LAT_INTER = 5e-6, 10e-6, 20e-6
+
+# bytes each rank moves per byte of its buffer (bus-bandwidth convention of nccl-tests)
+_MOVED = {"all_to_all": lambda p: (p - 1) / p, "all_gather": lambda p: p - 1,
+          "reduce_scatter": lambda p: (p - 1) / p, "all_reduce": lambda p: 2 * (p - 1) / p,
+          "send_recv": lambda p: 1.0}
+
+
+def build(name: str) -> dict:
+    g = GPUS[name]
+    flops_pts = [10.0 ** e for e in range(8, 16)]
+    fp32_peak = g["peak"] / 2 if name != "a100-sxm" else 156e12     # TF32 tensor-core rate
+    compute = {
+        "matmul": {dt: [dict(flops=f, seconds=FLOOR + f / (pk * EFF["matmul"])) for f in flops_pts]
+                   for dt, pk in (("bfloat16", g["peak"]), ("float32", fp32_peak))},
+        "attention": {dt: [dict(flops=f, seconds=FLOOR + f / (pk * EFF["attention"])) for f in flops_pts]
+                      for dt, pk in (("bfloat16", g["peak"]), ("float32", fp32_peak))},
+        "attention_backward": {dt: [dict(flops=f, seconds=FLOOR + f / (pk * EFF["attention_backward"]))
+                                    for f in flops_pts] for dt, pk in (("bfloat16", g["peak"]), ("float32", fp32_peak))},
+        "memory_bound": [dict(bytes=b, seconds=FLOOR + b / (g["hbm"] * EFF["memory"]))
+                         for b in (2.0 ** e for e in range(12, 37, 2))],
+    }
+    coll: dict = {}
+    sizes = [2.0 ** e for e in range(12, 35, 2)]
+    for op, moved in _MOVED.items():
+        bw = g["nvls"] if op == "all_reduce" else g["nvlink"]
+        intra = {str(p): [dict(bytes=b, seconds=LAT_INTRA + b * moved(p) / bw) for b in sizes] for p in (2, 4, 8)}
+        inter = {str(p): [dict(bytes=b, seconds=LAT_INTER + b * moved(p) / IB) for b in sizes]
+                 for p in (16, 32, 64, 128)}
+        coll[op] = {"intra": intra, "inter": inter}
+    return {
+        "schema": SCHEMA,
+        "name": name,
+        "source": {
+            "kind": "published",
+            "device": g["label"],
+            "citations": [
+                f"{g['label']} datasheet: dense bf16 {g['peak'] / 1e12:.0f} TFLOP/s, HBM {g['hbm'] / 1e12:.2f} TB/s, "
+                f"{g['mem'] / 1e9:.0f} GB",
+                f"nccl-tests bus bandwidth: ~{g['nvlink'] / 1e9:.0f} GB/s all-gather/all-to-all class, "
+                f"~{g['nvls'] / 1e9:.0f} GB/s all-reduce inside a node",
+                "nccl-tests InfiniBand NDR 400G: 46-49 GB/s per NIC (48 used), one NIC per GPU",
+            ],
+            "assumptions": {"efficiency": EFF, "kernel_floor_s": FLOOR, "latency_intra_s": LAT_INTRA,
+                            "latency_inter_s": LAT_INTER},
+            "how": "python -m autosp.costmodel.published",
+        },
+        "memory_bytes": g["mem"],
+        "devices_per_node": 8,
+        "op_overhead_s": 0.0,
+        "compute": compute,
+        "collectives": coll,
+    }
+
+
+def main() -> None:
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+    for name in GPUS:
+        with open(os.path.join(root, f"{name}.json"), "w") as f:
+            json.dump(build(name), f, indent=1)
+        print(f"wrote {name}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Predicted against measured: step time and per-rank peak memory on this machine.
+
+Used by ``bench/costmodel_vs_measured.py`` (the full grid) and the tests (a
+small one). Measured time: median of timed forward+backward steps after a
+warm-up step, one CPU thread per rank. Measured memory: peak bytes of tensors
+allocated during one step (``autosp.costmodel.memory_probe``; parameters and
+inputs exist before the step), the same quantity as the prediction's
+``step_peak``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+
+def tiny_model():
+    import torch
+    import transformers
+
+    from autosp.catalog import hf_config
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_config("tiny"))
+
+
+def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[str, float]:
+    import torch
+
+    from autosp.costmodel.memory_probe import PeakBytes, armed
+
+    ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+
+    def step(probe=None):
+        if probe is None:
+            model(input_ids=ids, labels=ids).loss.backward()
+        elif hasattr(model, "state"):
+            with armed(probe):
+                loss = model(input_ids=ids, labels=ids).loss
+            with probe:
+                loss.backward()
+        else:
+            with probe:
+                model(input_ids=ids, labels=ids).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    probe = PeakBytes()
+    step(probe)
+    return {"time": statistics.median(times), "peak": probe.peak}
+
+
+def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) -> list[dict[str, Any]]:
+    """On every rank of an initialised gloo group; rank 0's numbers are returned."""
+    import torch
+    import torch.distributed as dist
+
+    import autosp
+
+    torch.set_num_threads(1)
+    rows = []
+    for s in seq_lens:
+        for st in strategies:
+            torch._dynamo.reset()
+            m = measure_step(autosp.compile(tiny_model(), strategy=st), s, repeats, dist.barrier)
+            rows.append(dict(sp=dist.get_world_size(), seq_len=s, strategy=st, **m))
+    return rows
+
+
+def measured_single(seq_lens: list[int], repeats: int = 1) -> list[dict[str, Any]]:
+    import torch
+
+    torch.set_num_threads(1)
+    return [dict(sp=1, seq_len=s, strategy="single", **measure_step(tiny_model(), s, repeats)) for s in seq_lens]
+
+
+def predicted(rows: list[dict[str, Any]], profile: str = "cpu-gloo") -> list[dict[str, Any]]:
+    from autosp.costmodel.predict import predict
+    from autosp.costmodel.profile import load_profile
+    from autosp.planner import capture
+
+    prof = load_profile(profile)
+    graphs: dict[int, Any] = {}
+    out = []
+    for r in rows:
+        s = r["seq_len"]
+        if s not in graphs:
+            graphs[s] = capture("tiny", seq_len=s, dtype="float32")
+        st = "ulysses" if r["strategy"] == "single" else r["strategy"]
+        p = predict(graphs[s], prof, sp=r["sp"], strategy=st)
+        out.append({**r, "pred_time": p.total_s, "pred_peak": p.memory["step_peak"]})
+    return out

@@ -1,0 +1,1 @@
+"""Shipped hardware profiles (JSON data; see README.md)."""

@@ -1,0 +1,91 @@
+"""Cost model: lookups, profile loading and its errors, predictions' sense."""
+
+import json
+import warnings
+
+import pytest
+
+from autosp.costmodel.interp import AlphaBeta, LogLogTable, monotone
+from autosp.costmodel.predict import predict
+from autosp.costmodel.profile import load_profile, shipped_profiles
+from autosp.errors import AutospError
+from autosp.planner import capture
+
+
+def test_monotone_and_loglog_interpolation():
+    assert monotone([(4, 1.0), (2, 2.0), (8, 3.0)]) == [(2, 2.0), (4, 2.0), (8, 3.0)]
+    t = LogLogTable([(10, 1.0), (1000, 100.0)])
+    assert t(100) == pytest.approx(10.0)            # straight line in log-log
+    assert t(1) == pytest.approx(1.0)               # below the table: the smallest time
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert t(1000 * 100) == pytest.approx(100.0 * 100)      # slope 1 continues
+        assert any("beyond the largest measured" in str(x.message) for x in w)
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    pts = [(b, 1e-5 + b / 5e9) for b in (1e3, 1e5, 1e7, 1e9)]
+    ab = AlphaBeta.fit(pts)
+    assert ab.alpha == pytest.approx(1e-5, rel=1e-3) and ab.bandwidth == pytest.approx(5e9, rel=1e-6)
+
+
+def test_shipped_profiles_load_and_say_where_they_come_from():
+    names = shipped_profiles()
+    assert {"h100-sxm", "h200-sxm", "a100-sxm"} <= set(names)
+    h100 = load_profile("h100-sxm")
+    assert h100.source["kind"] == "published" and any("datasheet" in c for c in h100.source["citations"])
+    assert h100.memory_bytes == 80e9 and h100.devices_per_node == 8
+    # NVLink bus bandwidth ~370 GB/s: a 1 GiB all-gather shard over 8 GPUs moves 7 GiB per rank.
+    t = h100.collective_time("all_gather", 8, 2 ** 30)
+    assert t == pytest.approx(7 * 2 ** 30 / 370e9, rel=0.05)
+    # Across nodes the InfiniBand table (48 GB/s per GPU) is used.
+    assert h100.collective_time("all_to_all", 16, 2 ** 30, inter=True) > 5 * h100.collective_time(
+        "all_to_all", 8, 2 ** 30)
+
+
+def test_profile_errors_name_the_file_and_key(tmp_path):
+    with pytest.raises(AutospError, match="profile 'nope' not found.*h100-sxm"):
+        load_profile("nope")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    with pytest.raises(AutospError, match=r"bad.json is not valid JSON"):
+        load_profile(str(bad))
+    doc = json.loads(json.dumps(load_profile("h100-sxm").data))
+    del doc["collectives"]["all_to_all"]
+    p = tmp_path / "partial.json"
+    p.write_text(json.dumps(doc))
+    prof = load_profile(str(p))
+    with pytest.raises(AutospError, match=r"partial.json has no key 'collectives.all_to_all.intra'"):
+        prof.collective_time("all_to_all", 8, 1e6)
+    doc2 = dict(doc)
+    del doc2["compute"]
+    (tmp_path / "nocompute.json").write_text(json.dumps(doc2))
+    with pytest.raises(AutospError, match="nocompute.json has no key 'compute.matmul'"):
+        load_profile(str(tmp_path / "nocompute.json"))
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return capture("llama3-8b", seq_len=8192)
+
+
+def test_llama3_8b_on_one_h100_has_a_realistic_mfu(llama8b):
+    p = predict(llama8b, load_profile("h100-sxm"), sp=1)
+    # Published practice for dense LLM training on H100: 35-55% MFU (Llama 3: 38-43%).
+    assert 0.35 <= p.mfu <= 0.65, p.mfu
+    assert p.exposed_comm_s == 0 and p.total_s == pytest.approx(p.compute_s)
+
+
+def test_sp_predictions_make_sense(llama8b):
+    prof = load_profile("h100-sxm")
+    one = predict(llama8b, prof, sp=1, seq_len=32768)
+    res = {st: predict(llama8b, prof, sp=8, strategy=st, seq_len=32768)
+           for st in ("ulysses", "ring", "zigzag_ring", "allgather_kv", "hybrid:2x4")}
+    for st, p in res.items():
+        assert p.memory["activations"] < one.memory["activations"] / 4, st      # activations split 8 ways
+        assert p.compute_s < one.compute_s / 4, st
+    # Causal balance: zigzag ring beats contiguous ring; Ulysses has no imbalance either.
+    assert res["zigzag_ring"].compute_s < res["ring"].compute_s
+    assert res["ulysses"].compute_s == pytest.approx(res["zigzag_ring"].compute_s)
+    with pytest.raises(AutospError, match="not divisible by the SP degree 3"):
+        predict(llama8b, prof, sp=3, seq_len=32768)
