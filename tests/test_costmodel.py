@@ -86,6 +86,6 @@ def test_sp_predictions_make_sense(llama8b):
         assert p.compute_s < one.compute_s / 4, st
     # Causal balance: zigzag ring beats contiguous ring; Ulysses has no imbalance either.
     assert res["zigzag_ring"].compute_s < res["ring"].compute_s
-    assert res["ulysses"].compute_s == pytest.approx(res["zigzag_ring"].compute_s)
+    assert res["ulysses"].compute_s == pytest.approx(res["zigzag_ring"].compute_s, rel=0.02)
     with pytest.raises(AutospError, match="not divisible by the SP degree 3"):
         predict(llama8b, prof, sp=3, seq_len=32768)

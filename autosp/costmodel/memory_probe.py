@@ -34,6 +34,7 @@ class PeakBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._tracked: dict[int, int] = {}
+        self._refs: dict[int, int] = {}
 
     def _inside(self, func, args, kwargs):
         body = _python_body(func)
@@ -42,8 +43,12 @@ class PeakBytes(TorchDispatchMode):
         with self:                     # re-enter: the body's own ops come back to this mode
             return body(*args, **kwargs)
 
-    def _free(self, ptr: int) -> None:
-        self.live -= self._tracked.pop(ptr, 0)
+    def _release(self, ptr: int) -> None:
+        """One tensor on this storage died; the storage is free when the last one does."""
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live -= self._tracked.pop(ptr, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "autosp":      # look inside our own ops: their buffers count
@@ -57,12 +62,18 @@ class PeakBytes(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             ptr, nbytes = st.data_ptr(), st.nbytes()
-            if nbytes == 0 or ptr in inputs or ptr in self._tracked:
+            if nbytes == 0:
                 continue
-            self._tracked[ptr] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, ptr)
+            if ptr not in self._tracked:
+                if ptr in inputs:
+                    continue                 # a view or in-place result of memory from before
+                self._tracked[ptr] = nbytes
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            # Every tensor on a tracked storage (the allocation and its views) holds it alive:
+            # e.g. a matmul output dies while the view autograd saved of it lives on.
+            self._refs[ptr] = self._refs.get(ptr, 0) + 1
+            weakref.finalize(t, self._release, ptr)
         return out
 
 

@@ -89,12 +89,44 @@ def weighted_nodes(graph) -> list[tuple[str, dict, int]]:
     return out
 
 
-def _imbalance(strategy: str, layout: str, sp: int, causal: bool) -> float:
-    """Critical-rank share of causal attention work relative to an even split."""
-    if not causal or sp == 1 or strategy == "ulysses" or layout == "zigzag" or strategy == "zigzag_ring":
-        return 1.0
-    r = sp // int(strategy.split(":")[1].lower().split("x")[0]) if strategy.startswith("hybrid:") else sp
-    return (2 * r - 1) / r
+def _attention_critical_time(profile: HardwareProfile, a: dict, S: float, sp: int, strategy: str, layout: str,
+                             dtype: str, backward: bool, ulysses_degree: int | None) -> float:
+    """Kernel time of one attention op on the busiest rank, from the calls the strategy makes.
+
+    Blockwise strategies (ring, all-gather-KV, the ring part of hybrid) cut the sequence into
+    equal chunks; a rank holding query chunks ``A`` makes, under a causal mask, one causal
+    call per chunk in ``A`` and ``sum(A)`` full calls (chunk ``a`` sees chunks ``0..a-1``):
+    contiguous layout rank r: 1 causal + r full (the last rank is busiest); zigzag rank r
+    (chunks r, 2P-1-r): 2 causal + 2P-1 full on every rank (balanced).
+    """
+    from autosp.transform.layout import n_chunks, rank_chunks
+
+    q, k = a["in_shapes"][0], a["in_shapes"][1]
+    bh = _ev(q[0], S) * _ev(q[1], S)
+    d = _ev(q[-1], S)
+    causal = _ev(a["flops"], S) < _full_attention_flops(a, S)
+    call = lambda h, lq, lk, c: profile.attention_call_time(h, lq, lk, d, c, dtype, backward)  # noqa: E731
+    if sp == 1:
+        return call(bh, S, S, causal)
+    if strategy == "ulysses":
+        return call(bh / sp, S, S, causal)
+    lay = "zigzag" if strategy == "zigzag_ring" else layout
+    heads, ring = bh, sp
+    if strategy.startswith("hybrid"):
+        u = ulysses_degree or int(strategy.split(":")[1].lower().split("x")[0])
+        heads, ring = bh / u, sp // u
+    per_rank = len(rank_chunks(lay, 0, sp)) * (sp // ring)          # query chunks a ring rank holds
+    n = n_chunks(lay, sp)
+    c = S / n
+    worst = 0.0
+    for g in range(ring):
+        ids = [x for j in range(sp // ring) for x in rank_chunks(lay, g * (sp // ring) + j, sp)]
+        if causal:
+            t = len(ids) * call(heads, c, c, True) + sum(ids) * call(heads, c, c, False)
+        else:
+            t = per_rank * n * call(heads, c, c, False)
+        worst = max(worst, t)
+    return worst
 
 
 def _attention_shapes(a: dict, s: float) -> tuple[float, float, float, float, int]:
@@ -123,10 +155,8 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
         if kind == OpKind.VIEW:
             continue
         if kind == OpKind.ATTENTION:
-            causal = _ev(a["flops"], S) < _full_attention_flops(a, S)
-            f = _ev(a["flops"], S) / sp * _imbalance(strategy, layout, sp, causal)
             bwd = a["phase"] == "bwd"
-            t = profile.attention_time(f, dtype, backward=bwd)
+            t = _attention_critical_time(profile, a, S, sp, strategy, layout, dtype, bwd, ulysses_degree)
             if bwd:
                 attn_bwd += w * t
             else:
@@ -235,16 +265,18 @@ def _communication(graph, profile, attn, n_attn, attn_fwd, attn_bwd, S, sp, dp, 
     return comm, exposed, details
 
 
-def _liveness_peak(graph, s: float) -> tuple[float, float]:
-    """(peak live bytes over the captured schedule, bytes of gradients alive at the end)."""
+def _liveness_peak(graph, s: float) -> tuple[float, float, float]:
+    """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
+    while an attention op runs)."""
     g = graph.graph
     order = list(g.nodes)
     idx = {n: i for i, n in enumerate(order)}
     base: dict[str, str] = {}
     size: dict[str, float] = {}
+    tensor = {n: bool(g.nodes[n]["shapes"]) for n in order}     # sym_size & co. hold no memory
     for n in order:
         a = g.nodes[n]
-        preds = list(g.predecessors(n))
+        preds = [p for p in g.predecessors(n) if tensor[p]]
         if a["kind"] == OpKind.VIEW and preds:
             base[n] = base.get(preds[0], preds[0])
         else:
@@ -254,26 +286,31 @@ def _liveness_peak(graph, s: float) -> tuple[float, float]:
     end = len(order)
     grads = 0.0
     for n in order:
+        if not tensor[n]:
+            continue
         succ = list(g.successors(n))
         b = base[n]
         if not succ and g.nodes[n]["phase"] == "bwd":
             last[b] = end                                      # a gradient: kept
         for u in succ:
-            last[b] = max(last[b], idx[u])
+            if tensor[u]:
+                last[b] = max(last[b], idx[u])
     for b, i in last.items():
         if i == end:
             grads += size.get(b, 0.0)
     frees: dict[int, list[str]] = {}
     for b, i in last.items():
         frees.setdefault(i, []).append(b)
-    live = peak = 0.0
+    live = peak = at_attention = 0.0
     for i, n in enumerate(order):
         if base[n] == n:
             live += size[n]
             peak = max(peak, live)
+        if g.nodes[n]["kind"] == OpKind.ATTENTION:
+            at_attention = max(at_attention, live)
         for b in frees.get(i, []):
             live -= size[b]
-    return peak, grads
+    return peak, grads, at_attention
 
 
 def _memory(graph, profile, S, sp, dp, zero_stage, strategy, attn, ulysses_degree) -> dict[str, float]:
@@ -283,7 +320,7 @@ def _memory(graph, profile, S, sp, dp, zero_stage, strategy, attn, ulysses_degre
     params = n * p_bytes / (group if zero_stage >= 3 else 1)
     opt = n * (8 + (4 if p_bytes < 4 else 0)) / (group if zero_stage >= 1 else 1)
     s_loc = S / sp
-    step_peak, grads_traced = _liveness_peak(graph, s_loc)
+    step_peak, grads_traced, at_attention = _liveness_peak(graph, s_loc)
     # Layers that were not traced keep their saved activations across the forward/backward turn.
     extra_layers = 0.0
     for lc in graph.layer_classes.values():
@@ -302,8 +339,9 @@ def _memory(graph, profile, S, sp, dp, zero_stage, strategy, attn, ulysses_degre
             workspace = q_loc * 4 / e + 2 * 2 * kv_loc + 2 * q_loc    # fp32 accumulator, 2 K/V blocks, expanded
         elif strategy == "allgather_kv":
             workspace = 2 * kv_loc * sp + 2 * q_loc
-        workspace += grads_all / max(1, graph.captured_layers + 1)    # one gradient clone being reduced
-    step = step_peak + extra_layers + workspace
+    # The strategy's buffers exist only around attention: they raise the peak only if the
+    # schedule is near its peak there (the peak is often at the loss, where they are gone).
+    step = max(step_peak, at_attention + workspace) + extra_layers
     return {"parameters": params, "optimizer": opt, "gradients": grads_all,
             "activations": step_peak + extra_layers - grads_traced, "workspace": workspace,
             "step_peak": step, "peak": params + opt + step - grads_traced + grads_all}

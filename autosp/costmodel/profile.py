@@ -105,6 +105,35 @@ class HardwareProfile:
             return self._dtype_table("attention_backward", dtype)(flops)
         return self._dtype_table("attention", dtype)(flops / (2 if backward else 1)) * (2 if backward else 1)
 
+    def attention_call_time(self, heads: float, q_len: float, kv_len: float, head_dim: float, causal: bool,
+                            dtype: str, backward: bool = False) -> float:
+        """One fused attention call of this shape (batch folded into ``heads``).
+
+        Tables with shaped rows are looked up at the nearest measured head count and
+        interpolated in the attended area (q_len x kv_len, halved when causal), scaled by
+        heads and head_dim: kernels are not linear in heads on every device. Tables of
+        FLOP-keyed rows (published profiles) fall back to :meth:`attention_time`.
+        """
+        kind = "attention_backward" if backward and self.data["compute"].get("attention_backward") else "attention"
+        tables = self.data["compute"][kind]
+        rows = tables.get(dtype) or next(iter(tables.values()), [])
+        shaped = [r for r in rows if "heads" in r]
+        area = q_len * kv_len * (0.5 if causal else 1.0)
+        if not shaped:
+            flops = 4.0 * heads * area * head_dim * (2 if backward else 1)
+            return self.attention_time(flops, dtype, backward)
+        import math
+
+        target = max(heads, 1e-9)
+        h0 = min({r["batch"] * r["heads"] for r in shaped}, key=lambda h: abs(math.log(h / target)))
+        sel = [r for r in shaped if r["batch"] * r["heads"] == h0]
+        d0 = sel[0]["head_dim"]
+        key = f"{kind}.{dtype}.shape.{h0}"
+        if key not in self._tables:
+            pts = [(r["q_len"] * r["kv_len"] * (0.5 if r.get("causal") else 1.0), r["seconds"]) for r in sel]
+            self._tables[key] = LogLogTable(pts, f"{self.name}:{key}")
+        return self._tables[key](area) * target / h0 * head_dim / d0
+
     def memory_bound_time(self, nbytes: float) -> float:
         rows = _get(self.data, self.path, "compute.memory_bound")
         return self._table("compute.memory_bound", [(r["bytes"], r["seconds"]) for r in rows])(nbytes)
@@ -115,6 +144,8 @@ class HardwareProfile:
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         where = "inter" if inter and self.devices_per_node < group_size else "intra"
+        if where == "inter" and not self.data.get("collectives", {}).get(name, {}).get("inter"):
+            where = "intra"        # a one-host profile (e.g. CPU ranks on loopback) has no inter tables
         by_size = _get(self.data, self.path, f"collectives.{name}.{where}")
         if not by_size:
             raise AutospError(f"profile {self.path} has no key 'collectives.{name}.{where}' entries; measure it")
