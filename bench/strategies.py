@@ -15,58 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import spawn  # noqa: E402
 
+from autosp.costmodel.validate import measure_step, tiny_model  # noqa: E402
+
 STRATEGIES = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"]
-
-
-def _model():
-    import torch
-    import transformers
-
-    from autosp.catalog import hf_config
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(hf_config("tiny"))
-
-
-def _measure(model, ids, repeats: int, barrier=None) -> tuple[float, int, float]:
-    import statistics
-
-    from autosp.costmodel.memory_probe import PeakBytes, armed
-
-    def step(probe=None):
-        if probe is None:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        elif hasattr(model, "state"):                # autosp: graphs enter the armed probe
-            with armed(probe):
-                loss = model(input_ids=ids, labels=ids).loss
-            with probe:
-                loss.backward()
-        else:
-            with probe:
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-        for p in model.parameters():
-            p.grad = None
-        return loss.item()
-
-    step()                                           # warm-up (and compile)
-    times = []
-    for _ in range(repeats):
-        if barrier:
-            barrier()
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-    mem = PeakBytes()
-    step(mem)
-    return statistics.median(times), mem.peak, loss
 
 
 def distributed(seq_lens: list[int], strategies: list[str], repeats: int) -> list[dict]:
@@ -78,24 +33,17 @@ def distributed(seq_lens: list[int], strategies: list[str], repeats: int) -> lis
     rows = []
     world = dist.get_world_size()
     for s in seq_lens:
-        ids = torch.randint(0, 2048, (1, s), generator=torch.Generator().manual_seed(s))
         for st in strategies:
             torch._dynamo.reset()
-            sp = autosp.compile(_model(), strategy=st)
-            t, peak, loss = _measure(sp, ids, repeats, dist.barrier)
-            rows.append(dict(world=world, seq_len=s, strategy=st, time=t, peak=peak, loss=loss))
+            m = measure_step(autosp.compile(tiny_model(), strategy=st), s, repeats, dist.barrier)
+            rows.append(dict(world=world, seq_len=s, strategy=st, **m))
     return rows
 
 
 def single(seq_lens: list[int], repeats: int) -> dict[int, dict]:
     import torch
 
-    out = {}
-    for s in seq_lens:
-        ids = torch.randint(0, 2048, (1, s), generator=torch.Generator().manual_seed(s))
-        t, peak, loss = _measure(_model(), ids, repeats)
-        out[s] = dict(time=t, peak=peak, loss=loss)
-    return out
+    return {s: measure_step(tiny_model(), s, repeats) for s in seq_lens}
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ Memory (per device):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +41,13 @@ _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "
 def _ev(expr: Any, s: float) -> float:
     if isinstance(expr, (int, float)):
         return float(expr)
+    return _ev_sym(expr, float(s))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ev_sym(expr: Any, s: float) -> float:
+    # The planner evaluates the same few hundred expressions at a handful of lengths
+    # for dozens of candidate configurations: evaluate each once.
     return float(expr.xreplace({_sym(): s}))
 
 
@@ -148,6 +156,7 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
     inter = sp > profile.devices_per_node
     nodes = weighted_nodes(graph)
     compute = attn_fwd = attn_bwd = 0.0
+    layer_fwd = layer_fwd_pointwise = 0.0       # forward compute inside layers: what recompute costs
     n_attn = 0
     attn_node = None
     for _, a, w in nodes:
@@ -167,7 +176,11 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
             t = profile.matmul_time(_ev(a["flops"], s_loc), a["dtypes"][0] if a["dtypes"] else dtype)
         else:
             t = profile.memory_bound_time(_ev(a["bytes_read"], s_loc) + _ev(a["bytes_written"], s_loc))
+            if a["layer"] is not None and a["phase"] == "fwd":
+                layer_fwd_pointwise += w * (t + profile.op_overhead_s)
         compute += w * (t + profile.op_overhead_s)
+        if a["layer"] is not None and a["phase"] == "fwd":
+            layer_fwd += w * (t + profile.op_overhead_s)
 
     comm, exposed, details = _communication(graph, profile, attn_node, n_attn, attn_fwd, attn_bwd, S, sp, dp,
                                             strategy, inter, zero_stage, reduce_grads, ulysses_degree)
@@ -179,7 +192,9 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
                       exposed_comm_s=exposed, total_s=total, memory=memory, peak_bytes=memory["peak"],
                       model_flops=model_flops, mfu=model_flops / (total * peak_flops) if peak_flops else 0.0,
                       tokens_per_s=graph.batch_size * S / sp / total,
-                      details={"attention_fwd_s": attn_fwd, "attention_bwd_s": attn_bwd, **details})
+                      details={"attention_fwd_s": attn_fwd, "attention_bwd_s": attn_bwd,
+                               "layer_forward_s": layer_fwd, "layer_forward_pointwise_s": layer_fwd_pointwise,
+                               **details})
 
 
 def _full_attention_flops(a: dict, S: float) -> float:

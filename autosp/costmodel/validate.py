@@ -33,19 +33,22 @@ def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[st
 
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
 
-    def step(probe=None):
+    def step(probe=None) -> float:
         if probe is None:
-            model(input_ids=ids, labels=ids).loss.backward()
-        elif hasattr(model, "state"):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        elif hasattr(model, "state"):               # autosp: its graphs enter the armed probe
             with armed(probe):
                 loss = model(input_ids=ids, labels=ids).loss
             with probe:
                 loss.backward()
         else:
             with probe:
-                model(input_ids=ids, labels=ids).loss.backward()
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
         for p in model.parameters():
             p.grad = None
+        return loss.item()
 
     step()
     times = []
@@ -56,8 +59,8 @@ def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[st
         step()
         times.append(time.perf_counter() - t0)
     probe = PeakBytes()
-    step(probe)
-    return {"time": statistics.median(times), "peak": probe.peak}
+    loss = step(probe)
+    return {"time": statistics.median(times), "peak": probe.peak, "loss": loss}
 
 
 def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) -> list[dict[str, Any]]:
@@ -80,8 +83,13 @@ def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) ->
 def measured_single(seq_lens: list[int], repeats: int = 1) -> list[dict[str, Any]]:
     import torch
 
-    torch.set_num_threads(1)
-    return [dict(sp=1, seq_len=s, strategy="single", **measure_step(tiny_model(), s, repeats)) for s in seq_lens]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # one core = one device, as the profile was measured
+    try:
+        return [dict(sp=1, seq_len=s, strategy="single", **measure_step(tiny_model(), s, repeats))
+                for s in seq_lens]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def predicted(rows: list[dict[str, Any]], profile: str = "cpu-gloo") -> list[dict[str, Any]]:
