@@ -83,6 +83,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autosp.planner.report import plan_table
+    from autosp.planner.search import plan
+
+    limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
+    p = plan(args.model, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
+             devices_per_node=args.devices_per_node, profile=args.profile, memory_limit=limit,
+             zero_stage=args.zero_stage, dtype=args.dtype)
+    if args.out:
+        p.save(args.out)
+    if args.json:
+        print(p.to_json())
+    else:
+        from rich.console import Console
+
+        console = Console(width=max(Console().width, 110))
+        for item in plan_table(p):
+            console.print(item)
+        if args.out:
+            console.print(f"plan written to {args.out}")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from autosp.catalog import CATALOG
 
@@ -122,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer points, about a minute on a 2-core CPU")
     p.add_argument("--budget", type=float, default=None, help="stop measuring after this many seconds")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("plan", help="choose SP/DP split, strategies and checkpointing with the ILP")
+    _add_model_args(p)
+    p.add_argument("--world-size", type=_positive_int, default=8)
+    p.add_argument("--devices-per-node", type=_positive_int, default=None,
+                   help="default: the profile's (8 for the GPU profiles)")
+    p.add_argument("--profile", default="h100-sxm", help="shipped profile name or a profile JSON path")
+    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the profile's)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list the built-in model names")
     p.set_defaults(func=cmd_models)

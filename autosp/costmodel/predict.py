@@ -157,6 +157,7 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
     nodes = weighted_nodes(graph)
     compute = attn_fwd = attn_bwd = 0.0
     layer_fwd = layer_fwd_pointwise = 0.0       # forward compute inside layers: what recompute costs
+    layer_compute = 0.0
     n_attn = 0
     attn_node = None
     for _, a, w in nodes:
@@ -179,6 +180,8 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
             if a["layer"] is not None and a["phase"] == "fwd":
                 layer_fwd_pointwise += w * (t + profile.op_overhead_s)
         compute += w * (t + profile.op_overhead_s)
+        if a["layer"] is not None:
+            layer_compute += w * (t + profile.op_overhead_s)
         if a["layer"] is not None and a["phase"] == "fwd":
             layer_fwd += w * (t + profile.op_overhead_s)
 
@@ -194,6 +197,7 @@ def predict(graph, profile: HardwareProfile, *, sp: int = 1, strategy: str = "ul
                       tokens_per_s=graph.batch_size * S / sp / total,
                       details={"attention_fwd_s": attn_fwd, "attention_bwd_s": attn_bwd,
                                "layer_forward_s": layer_fwd, "layer_forward_pointwise_s": layer_fwd_pointwise,
+                               "layer_compute_s": layer_compute,
                                **details})
 
 
@@ -264,6 +268,7 @@ def _communication(graph, profile, attn, n_attn, attn_fwd, attn_bwd, S, sp, dp, 
         comm += n_attn * layer_comm
         exposed += n_attn * layer_exposed
         details["attention_comm_s"] = n_attn * layer_comm
+        details["attention_exposed_s"] = n_attn * layer_exposed
     group = sp * dp
     if group > 1 and (reduce_grads or dp > 1):
         gbytes = graph.total_params * _BYTES.get(graph.dtype, 2)

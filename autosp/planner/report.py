@@ -53,3 +53,36 @@ def inspect_table(g: OpGraph):  # -> rich.table.Table
     t.add_row("total", "", human(tot["params"]), human(tot["fwd_flops"]), human(tot["bwd_flops"]),
               human(tot["act_bytes"], "B"))
     return t
+
+
+def plan_table(plan) -> list:  # -> list of rich renderables
+    """The chosen plan, why, and the runner-ups side by side."""
+    from rich.table import Table
+
+    pr = plan.predicted
+    head = Table(title=f"{plan.model}: {plan.seq_len} tokens on {plan.world_size} devices "
+                       f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {plan.zero_stage})")
+    head.add_column("decision")
+    head.add_column("value", justify="right")
+    head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")
+    head.add_row("Ulysses x ring", f"{plan.ulysses_degree} x {plan.ring_degree}")
+    head.add_row("token layout", plan.layout)
+    for layer in plan.layers:
+        head.add_row(f"{layer['class']} x{layer['count']}", f"{layer['strategy']}, checkpoint {layer['checkpoint']}")
+    head.add_section()
+    head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
+                              f"{pr['exposed_comm_s']:.3f})")
+    mem = pr["memory"]
+    head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}")
+    head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
+    head.add_row("tokens/s per device, MFU", f"{pr['tokens_per_s_per_device']:.0f}, {pr['mfu']:.1%}")
+    head.add_row("solver", f"{plan.solver.get('status')} in {plan.solver.get('solve_s', 0):.2f} s "
+                           f"({plan.solver.get('variables')} variables)")
+    alts = Table(title="runner-ups")
+    for col in ("SP", "layout", "strategy", "checkpoint", "step (s)", "vs chosen", "peak memory"):
+        alts.add_column(col, justify="right")
+    for a in plan.alternatives:
+        (choice,) = list(a["layers"].values())[:1]
+        alts.add_row(str(a["sp"]), a["layout"], choice["strategy"], choice["checkpoint"], f"{a['total_s']:.3f}",
+                     f"{a['total_s'] / pr['total_s']:.2f}x", human(a["peak_bytes"], "B"))
+    return [head, alts]

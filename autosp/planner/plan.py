@@ -1,0 +1,96 @@
+"""``Plan``: the planner's answer as a versioned JSON document.
+
+A plan names the model (by a structural fingerprint), the world layout (SP x DP,
+Ulysses x ring), the token layout, per layer class the attention strategy and
+activation checkpointing, the predicted step time and memory, and the runner-up
+alternatives with their predictions. ``check`` refuses a plan made for another
+model, world size or sequence length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autosp.errors import AutospError
+
+SCHEMA = "autosp.plan/1"
+
+
+def model_fingerprint(graph) -> str:
+    """Structure of the model: layer classes (fingerprint x count) and parameter count."""
+    parts = sorted(f"{lc.fingerprint}x{lc.count}" for lc in graph.layer_classes.values())
+    return hashlib.sha1(f"{graph.total_params}|{'|'.join(parts)}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class Plan:
+    model: str
+    fingerprint: str
+    seq_len: int
+    batch_size: int
+    dtype: str
+    world_size: int
+    devices_per_node: int
+    sp_degree: int
+    dp_degree: int
+    ulysses_degree: int
+    ring_degree: int
+    layout: str
+    layers: list[dict[str, Any]]              # per layer class: class, count, strategy, checkpoint
+    predicted: dict[str, Any]                 # compute_s, exposed_comm_s, total_s, memory, ...
+    profile: str
+    memory_limit_bytes: float
+    zero_stage: int
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    solver: dict[str, Any] = field(default_factory=dict)
+    schema: str = SCHEMA
+
+    # ------------------------------------------------------------------ io
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise AutospError(f"plan file {path} does not exist; make one with `autosp plan ... --out {path}`") \
+                from None
+        except json.JSONDecodeError as e:
+            raise AutospError(f"plan file {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if data.get("schema") != SCHEMA:
+            raise AutospError(f"plan file {path} has schema '{data.get('schema')}', this autosp reads '{SCHEMA}'; "
+                              "re-plan with `autosp plan`")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise AutospError(f"plan file {path} is malformed ({e}); re-plan with `autosp plan`") from None
+
+    # ------------------------------------------------------------------ applying
+    def check(self, *, fingerprint: str | None = None, world_size: int | None = None,
+              seq_len: int | None = None) -> None:
+        """Refuse to apply this plan to another model, world size or sequence length."""
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            raise AutospError(f"this plan was made for model '{self.model}' (fingerprint {self.fingerprint}), not "
+                              f"this one ({fingerprint}); re-plan for this model")
+        if world_size is not None and world_size != self.world_size:
+            raise AutospError(f"this plan is for {self.world_size} devices but the job runs on {world_size}; "
+                              f"re-plan with --world-size {world_size}")
+        if seq_len is not None and seq_len != self.seq_len:
+            raise AutospError(f"this plan is for sequence length {self.seq_len}, the batch has {seq_len}; "
+                              f"re-plan with --seq-len {seq_len}")
+
+    def strategy_per_layer(self) -> list[str]:
+        """One strategy per attention layer, in execution order (classes in model order)."""
+        out: list[str] = []
+        for layer in self.layers:
+            out += [layer["strategy"]] * layer["count"]
+        return out

@@ -1,0 +1,99 @@
+"""The planner: ILP optimality against brute force, plan sense, plan files, CLI."""
+
+import json
+import random
+
+import pytest
+
+from autosp.cli import main
+from autosp.errors import AutospError
+from autosp.planner import capture
+from autosp.planner.ilp import Candidate, Option, enumerate_all, integer_objective, solve
+from autosp.planner.plan import Plan
+from autosp.planner.search import plan
+
+
+def _random_instance(rng: random.Random) -> tuple[list[Candidate], float]:
+    cands = []
+    for g in range(rng.randint(1, 4)):
+        c = Candidate(key=("mesh", g), base_time_s=rng.uniform(0.1, 2), base_mem_bytes=rng.uniform(1e9, 2e10))
+        for cls in range(rng.randint(1, 3)):
+            c.options[f"class{cls}"] = [Option(key=("opt", j), time_s=rng.uniform(0.01, 3),
+                                               mem_bytes=rng.uniform(1e8, 3e10)) for j in range(rng.randint(1, 5))]
+        cands.append(c)
+    return cands, rng.uniform(1e10, 6e10)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_cp_sat_matches_brute_force(seed):
+    cands, limit = _random_instance(random.Random(seed))
+    sol = solve(cands, limit)
+    brute = enumerate_all(cands, limit)
+    if not brute:
+        assert sol is None
+        return
+    best = min(integer_objective(cands, b) for b in brute)
+    assert sol is not None and integer_objective(cands, sol) == best
+
+
+@pytest.fixture(scope="module")
+def tiny6():
+    # 6 query heads: SP 4 cannot split them with Ulysses alone.
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=512)
+    cfg._attn_implementation = "sdpa"
+    return capture(_Source(cfg), seq_len=4096, dtype="bfloat16")
+
+
+class _Source:
+    def __new__(cls, cfg):
+        from autosp.catalog import ModelSource
+
+        return ModelSource("tiny6", hf_config=cfg)
+
+
+def test_heads_that_do_not_divide_get_ring_or_hybrid(tiny6):
+    p = plan(None, graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm",
+             memory_limit=2 ** 30)
+    strategies = {layer["strategy"] for layer in p.layers}
+    assert p.sp_degree >= 1
+    if p.sp_degree == 4:
+        assert strategies <= {"ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"}
+    for alt in p.alternatives:
+        for choice in alt["layers"].values():
+            assert not (alt["sp"] == 4 and choice["strategy"] == "ulysses")
+
+
+def test_nothing_fits_says_what_would(tiny6):
+    with pytest.raises(AutospError, match="no plan fits .*(smallest|longest|ZeRO stage)"):
+        plan(None, graph=tiny6, seq_len=4096, world_size=1, profile="h100-sxm", memory_limit=2 ** 20)
+
+
+def test_plan_file_roundtrip_and_refusals(tiny6, tmp_path):
+    p = plan(None, graph=tiny6, seq_len=4096, world_size=4, profile="h100-sxm")
+    path = tmp_path / "plan.json"
+    p.save(str(path))
+    q = Plan.load(str(path))
+    assert q == p and sum(layer["count"] for layer in q.layers) == len(q.strategy_per_layer()) == 2
+    q.check(fingerprint=p.fingerprint, world_size=4, seq_len=4096)
+    with pytest.raises(AutospError, match="for 4 devices but the job runs on 8"):
+        q.check(world_size=8)
+    with pytest.raises(AutospError, match="sequence length 4096, the batch has 2048"):
+        q.check(seq_len=2048)
+    with pytest.raises(AutospError, match="made for model"):
+        q.check(fingerprint="0" * 16)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(AutospError, match="not valid JSON"):
+        Plan.load(str(tmp_path / "bad.json"))
+
+
+def test_cli_plan_json(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "tiny", "--seq-len", "8192", "--world-size", "4", "--profile", "h100-sxm",
+                 "--json", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["world_size"] == 4 and doc["sp_degree"] * doc["dp_degree"] == 4
+    assert doc["predicted"]["total_s"] > 0 and doc["alternatives"]
+    assert json.loads(out.read_text())["fingerprint"] == doc["fingerprint"]
