@@ -55,13 +55,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
-                  strategy: str = "auto", **cfg: Any) -> dict[str, Any]:
+                  strategy: str = "auto", plan: Any = None, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
-    sp = autosp.compile(sp_model, strategy=strategy)
+    sp = autosp.compile(sp_model, strategy=strategy, plan=plan)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     for step in range(steps):
         ids, labels = _batch(step, batch, seq_len, uneven)
@@ -183,3 +183,36 @@ def costmodel_measure(seq_len: int = 1024, strategies: tuple[str, ...] = ("ulyss
     from autosp.costmodel.validate import measured_sp
 
     return measured_sp([seq_len], list(strategies), repeats=2)
+
+
+def plan_apply(tmp: str, seq_len: int = 32) -> dict[str, Any]:
+    """A saved plan (mixed strategies) applied with plan=: exact, and refused when it does not match."""
+    import torch.distributed as dist
+
+    from autosp.planner.plan import Plan
+
+    world = dist.get_world_size()
+    plan = Plan(model="reference", fingerprint="x", seq_len=seq_len, batch_size=2, dtype="float32",
+                world_size=world, devices_per_node=world, sp_degree=world, dp_degree=1, ulysses_degree=world,
+                ring_degree=1, layout="zigzag",
+                layers=[{"class": "Block", "count": 1, "strategy": "ulysses", "checkpoint": "none"},
+                        {"class": "Block", "count": 1, "strategy": "zigzag_ring", "checkpoint": "none"}],
+                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0)
+    path = f"{tmp}/plan-{dist.get_rank()}.json"
+    plan.save(path)
+    out = train_compare("reference", seq_len=seq_len, steps=1, strategy="auto", plan=path)
+    wrong = Plan.load(path)
+    wrong.world_size = world * 2
+    try:
+        autosp.compile(build("reference"), plan=wrong)
+        out["wrong_world"] = ""
+    except AutospError as e:
+        out["wrong_world"] = str(e)
+    sp = autosp.compile(build("reference"), plan=path)
+    ids, labels = _batch(0, 1, seq_len * 2, False)
+    try:
+        sp(ids, labels=labels)
+        out["wrong_len"] = ""
+    except AutospError as e:
+        out["wrong_len"] = str(e)
+    return out

@@ -77,3 +77,10 @@ def test_costmodel_predicts_sp2_memory_and_time(pool):
         assert r["pred_peak"] == pytest.approx(r["peak"], rel=0.10), r
         # Timing on a shared 2-core machine is noisy: a wide band here, the bench has the MAPE.
         assert r["pred_time"] == pytest.approx(r["time"], rel=0.40), r
+
+
+def test_saved_plan_is_applied_exactly_and_refused_when_it_does_not_match(pool, tmp_path):
+    (r, *_rest) = run_ok(pool, "plan_apply", tmp=str(tmp_path))
+    check_exact([r])
+    assert "for 4 devices but the job runs on 2" in r["wrong_world"]
+    assert "sequence length 32, the batch has 64" in r["wrong_len"]

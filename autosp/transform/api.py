@@ -34,7 +34,7 @@ _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
-            gather_outputs: bool | None = None) -> nn.Module:
+            gather_outputs: bool | None = None, plan: Any = None) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -50,9 +50,18 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     loss: a model called with labels returns the global loss and this rank's logits (full
     logits at 128k tokens would cost every rank what SP saves), one called without labels,
     or whose loss follows a graph break, returns full logits.
+    ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
+    its SP degree, token layout and per-layer strategies are applied; a plan made for another
+    world size, sequence length or model is refused.
     Without an initialised process group there is nothing to split: the model is returned
     as it is, with a warning, so one training script runs alone or under torchrun.
     """
+    the_plan = _load_plan(plan)
+    if the_plan is not None:
+        if dist.is_available() and dist.is_initialized():
+            the_plan.check(world_size=dist.get_world_size())
+        strategy, layout = the_plan.strategy_per_layer(), the_plan.layout
+        sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         if st not in STRATEGIES and not st.startswith("hybrid:"):
@@ -77,7 +86,21 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         raise AutospError("strategy 'zigzag_ring' needs layout='zigzag' (the layout is one global choice)")
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs)
     _hybrid_groups(config, strategies)
-    return SequenceParallel(model, config, reduce_grads)
+    sp = SequenceParallel(model, config, reduce_grads)
+    sp.plan = the_plan
+    return sp
+
+
+def _load_plan(plan: Any) -> Any:
+    if plan is None:
+        return None
+    from autosp.planner.plan import Plan
+
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        return Plan.load(plan)
+    raise AutospError(f"plan must be a Plan or the path of a plan JSON, not {type(plan).__name__}")
 
 
 def _hybrid_groups(config: SPConfig, strategies: list[str]) -> None:
@@ -138,6 +161,7 @@ class SequenceParallel(nn.Module):
         self._signature = inspect.signature(module.forward)
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         self._checked = False
+        self.plan = None             # the Plan applied, if any
         self._warned_lengths: set[int] = set()
         self._hooks = [p.register_hook(self._reduce_grad) for p in module.parameters()
                        if p.requires_grad] if reduce_grads and self.sp_degree > 1 else []
@@ -152,6 +176,8 @@ class SequenceParallel(nn.Module):
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
+        if self.plan is not None:
+            self.plan.check(seq_len=seq_len)
         padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
