@@ -24,10 +24,10 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, seq_required: bool = True) -> None:
     p.add_argument("--model", required=True,
                    help="catalogue name (autosp models), path to a HF config.json, or package.module:factory")
-    p.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--seq-len", type=_positive_int, required=seq_required, help="tokens per sequence")
     p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="parameter/activation dtype (default bfloat16)")
     p.add_argument("--inputs", default=None,
@@ -88,9 +88,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autosp.planner.search import plan
 
     limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
-    p = plan(args.model, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
-             devices_per_node=args.devices_per_node, profile=args.profile, memory_limit=limit,
-             zero_stage=args.zero_stage, dtype=args.dtype)
+    common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
+                  profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype)
+    if args.max_seq_len:
+        from autosp.planner.search import max_seq_len
+
+        longest, p = max_seq_len(args.model, **common)
+        if not args.json:
+            print(f"longest sequence that fits: {longest} tokens")
+    else:
+        if args.seq_len is None:
+            raise AutospError("give --seq-len N, or --max-seq-len to find the longest that fits")
+        p = plan(args.model, seq_len=args.seq_len, **common)
+    if args.html:
+        from autosp.planner.html_report import write_html
+
+        write_html(p, args.html)
     if args.out:
         p.save(args.out)
     if args.json:
@@ -103,6 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             console.print(item)
         if args.out:
             console.print(f"plan written to {args.out}")
+        if args.html:
+            console.print(f"report written to {args.html}")
     return 0
 
 
@@ -147,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="choose SP/DP split, strategies and checkpointing with the ILP")
-    _add_model_args(p)
+    _add_model_args(p, seq_required=False)
     p.add_argument("--world-size", type=_positive_int, default=8)
     p.add_argument("--devices-per-node", type=_positive_int, default=None,
                    help="default: the profile's (8 for the GPU profiles)")
@@ -156,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.add_argument("--html", default=None, help="write an HTML report with plots here")
+    p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits this world")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list the built-in model names")

@@ -41,7 +41,7 @@ _MOVED = {"all_to_all": lambda p: (p - 1) / p, "all_gather": lambda p: p - 1,
 
 def build(name: str) -> dict:
     g = GPUS[name]
-    flops_pts = [10.0 ** e for e in range(8, 16)]
+    flops_pts = [10.0 ** e for e in range(8, 21)]
     fp32_peak = g["peak"] / 2 if name != "a100-sxm" else 156e12     # TF32 tensor-core rate
     compute = {
         "matmul": {dt: [dict(flops=f, seconds=FLOOR + f / (pk * EFF["matmul"])) for f in flops_pts]
@@ -51,7 +51,7 @@ def build(name: str) -> dict:
         "attention_backward": {dt: [dict(flops=f, seconds=FLOOR + f / (pk * EFF["attention_backward"]))
                                     for f in flops_pts] for dt, pk in (("bfloat16", g["peak"]), ("float32", fp32_peak))},
         "memory_bound": [dict(bytes=b, seconds=FLOOR + b / (g["hbm"] * EFF["memory"]))
-                         for b in (2.0 ** e for e in range(12, 37, 2))],
+                         for b in (2.0 ** e for e in range(12, 49, 2))],
     }
     coll: dict = {}
     sizes = [2.0 ** e for e in range(12, 35, 2)]

@@ -9,6 +9,7 @@ ILP (:mod:`autosp.planner.ilp`) picks the cheapest combination that fits.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 from autosp.costmodel.predict import _ev, predict
@@ -195,3 +196,28 @@ def _infeasible_hint(g, prof, world, dpn, zero_stage, seq_len, limit) -> str:
     if longest:
         return f"{head}; the longest sequence that fits is about {longest} tokens"
     return f"{head}, on up to 4096 devices or at any length; raise the memory limit or the ZeRO stage"
+
+
+def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per_node: int | None = None,
+                profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
+                dtype: str = "bfloat16", graph: Any = None, upper: int = 1 << 24) -> tuple[int, Plan]:
+    """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan."""
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    dpn = devices_per_node or prof.devices_per_node
+    limit = memory_limit or prof.memory_bytes
+    step = 2 * world_size
+    g = graph if graph is not None else capture(model, seq_len=step * 64, batch_size=batch_size, dtype=dtype)
+    lo, hi, best = 1, upper // step, 0          # in units of `step`; sizes are symbolic: no re-capture
+    with warnings.catch_warnings():             # probes far beyond any answer extrapolate tables
+        warnings.simplefilter("ignore")
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if _fits(g, prof, world_size, dpn, zero_stage, mid * step, limit):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+    if not best:
+        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit))
+    s = best * step
+    return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
+                   profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g)

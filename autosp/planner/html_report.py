@@ -1,0 +1,94 @@
+"""``autosp plan --html report.html``: the plan with plots, one self-contained file.
+
+Plots (matplotlib, embedded as PNG): the step-time breakdown of the chosen plan
+and the runner-ups, the memory breakdown against the device limit, and every
+alternative on a time/memory chart.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from autosp.planner.plan import Plan
+from autosp.planner.report import human
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _label(a: dict) -> str:
+    (choice,) = list(a["layers"].values())[:1]
+    return f"SP{a['sp']} {a['layout'][:3]} {choice['strategy']} ck:{choice['checkpoint'][:3]}"
+
+
+def figures(plan: Plan) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pr = plan.predicted
+    chosen = {"sp": plan.sp_degree, "layout": plan.layout, "total_s": pr["total_s"], "peak_bytes": pr["peak_bytes"],
+              "compute_s": pr["compute_s"], "exposed_comm_s": pr["exposed_comm_s"],
+              "layers": {layer["fingerprint"]: layer for layer in plan.layers}}
+    rows = [chosen] + plan.alternatives
+    out = []
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(rows)))
+    names = [("* " if i == 0 else "") + _label(r) for i, r in enumerate(rows)]
+    ax.barh(names, [r["compute_s"] for r in rows], label="compute")
+    ax.barh(names, [r["exposed_comm_s"] for r in rows], left=[r["compute_s"] for r in rows],
+            label="exposed communication")
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted step time (s)")
+    ax.legend(loc="lower right")
+    out.append(("Step time: chosen plan (*) and runner-ups", _png(fig)))
+    plt.close(fig)
+
+    mem = pr["memory"]
+    fig, ax = plt.subplots(figsize=(8, 1.8))
+    left = 0.0
+    for k in ("parameters", "optimizer", "gradients", "activations", "workspace"):
+        v = mem.get(k, 0.0) / 2 ** 30
+        ax.barh(["peak"], [v], left=[left], label=k)
+        left += v
+    ax.axvline(plan.memory_limit_bytes / 2 ** 30, color="red", linestyle="--", label="limit")
+    ax.set_xlabel("GiB per device")
+    ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    out.append(("Memory per device against the limit", _png(fig)))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([r["peak_bytes"] / 2 ** 30 for r in rows[1:]], [r["total_s"] for r in rows[1:]], label="runner-ups")
+    ax.scatter([chosen["peak_bytes"] / 2 ** 30], [chosen["total_s"]], marker="*", s=200, label="chosen")
+    ax.axvline(plan.memory_limit_bytes / 2 ** 30, color="red", linestyle="--", label="memory limit")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.legend()
+    out.append(("Alternatives: time against memory", _png(fig)))
+    plt.close(fig)
+    return out
+
+
+def write_html(plan: Plan, path: str) -> None:
+    pr = plan.predicted
+    rows = "".join(f"<tr><td>{html.escape(layer['class'])} x{layer['count']}</td><td>{layer['strategy']}</td>"
+                   f"<td>{layer['checkpoint']}</td></tr>" for layer in plan.layers)
+    imgs = "".join(f"<h3>{html.escape(t)}</h3><img src='data:image/png;base64,{b}'/>" for t, b in figures(plan))
+    doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>autosp plan: {html.escape(plan.model)}</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em}}</style></head><body>
+<h1>{html.escape(plan.model)}: {plan.seq_len} tokens on {plan.world_size} devices</h1>
+<p>Profile <b>{html.escape(plan.profile)}</b>, {plan.devices_per_node} devices per node, ZeRO stage {plan.zero_stage}.
+SP x DP = <b>{plan.sp_degree} x {plan.dp_degree}</b>, Ulysses x ring = {plan.ulysses_degree} x {plan.ring_degree},
+token layout <b>{plan.layout}</b>.</p>
+<table border=1><tr><th>layers</th><th>attention</th><th>checkpointing</th></tr>{rows}</table>
+<p>Predicted step {pr['total_s']:.3f} s (compute {pr['compute_s']:.3f} s, exposed communication
+{pr['exposed_comm_s']:.3f} s), peak {human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')},
+{pr['tokens_per_s_per_device']:.0f} tokens/s per device, MFU {pr['mfu']:.1%}.</p>{imgs}</body></html>"""
+    with open(path, "w") as f:
+        f.write(doc)
