@@ -15,10 +15,24 @@ from autosp.planner.capture import capture
 from autosp.planner.opgraph import OpGraph
 from autosp.planner.plan import Plan
 from autosp.planner.search import plan
-from autosp.transform.api import SequenceParallel, compile
+from autosp.transform.api import SequenceParallel
+from autosp.transform.api import compile as _compile
 from autosp.transform.backend import register as _register_backend
 
 _register_backend()
+
+
+def compile(model, *, plan=None, **kwargs):  # noqa: A001 - mirrors torch.compile
+    """``autosp.transform.api.compile``; ``plan="auto"`` plans for the first batch with the ILP
+    (see :mod:`autosp.autoplan`), a Plan or a plan path applies that plan."""
+    if plan == "auto":
+        from autosp.autoplan import AutoPlanner
+
+        plan = AutoPlanner()
+    return _compile(model, plan=plan, **kwargs)
+
+
+compile.__doc__ = (compile.__doc__ or "") + "\n\n" + (_compile.__doc__ or "")
 
 __all__ = ["compile", "plan", "Plan", "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError"]
 __version__ = "0.1.0"

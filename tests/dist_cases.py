@@ -86,6 +86,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
     out["param_err"] = _rel(flat(sp_model), flat(ref))
     out["attention_ops"] = sp.state.attention_ops
+    out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out
 
 
@@ -215,4 +216,15 @@ def plan_apply(tmp: str, seq_len: int = 32) -> dict[str, Any]:
         out["wrong_len"] = ""
     except AutospError as e:
         out["wrong_len"] = str(e)
+    return out
+
+
+def auto_plan_compare(kind: str = "llama", cache_dir: str = "", **cfg: Any) -> dict[str, Any]:
+    """plan="auto": the ILP plans on the first call (cpu-gloo profile); still exact; cached."""
+    import os
+
+    os.environ["XDG_CACHE_HOME"] = cache_dir
+    out = train_compare(kind, seq_len=64, steps=2, plan="auto", **cfg)
+    files = os.listdir(os.path.join(cache_dir, "autosp", "plans"))
+    out["cached"] = files
     return out

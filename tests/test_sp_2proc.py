@@ -84,3 +84,9 @@ def test_saved_plan_is_applied_exactly_and_refused_when_it_does_not_match(pool, 
     check_exact([r])
     assert "for 4 devices but the job runs on 2" in r["wrong_world"]
     assert "sequence length 32, the batch has 64" in r["wrong_len"]
+
+
+def test_auto_plan_is_exact_and_cached(pool, tmp_path):
+    for r in run_ok(pool, "auto_plan_compare", cache_dir=str(tmp_path), heads=4, kv=2):
+        check_exact([r])
+        assert r["plan_layers"] and r["cached"] and r["cached"][0].endswith("-cpu-gloo.json")

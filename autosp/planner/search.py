@@ -53,12 +53,15 @@ def _layer_memory(graph, s_loc: float) -> dict[str, dict[str, float]]:
 
 
 def build_candidates(graph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int,
-                     seq_len: int) -> tuple[list[Candidate], dict]:
+                     seq_len: int, sp_degrees: tuple[int, ...] | None = None,
+                     checkpoints: tuple[str, ...] = CHECKPOINTS) -> tuple[list[Candidate], dict]:
     n_heads, n_kv = _heads(graph)
     cands: list[Candidate] = []
     preds: dict = {}
     total_layers = sum(lc.count for lc in graph.layer_classes.values())
     for sp in _divisors(world):
+        if sp_degrees is not None and sp not in sp_degrees:
+            continue
         dp = world // sp
         for layout in ("contiguous", "zigzag") if sp > 1 else ("contiguous",):
             chunks = 2 * sp if layout == "zigzag" else sp
@@ -96,7 +99,7 @@ def build_candidates(graph, prof: HardwareProfile, world: int, dpn: int, zero_st
                         recompute = {"none": 0.0,
                                      "selective": p.details["layer_forward_pointwise_s"],
                                      "full": p.details["layer_forward_s"] + p.details["attention_fwd_s"]}
-                        for k in CHECKPOINTS:
+                        for k in checkpoints:
                             opts.append(Option(key=(st, k), time_s=share * (layer_time[st] + recompute[k]),
                                                mem_bytes=lc.count * mem[fp][k] + workspace_delta))
                     cand.options[fp] = opts
@@ -107,7 +110,8 @@ def build_candidates(graph, prof: HardwareProfile, world: int, dpn: int, zero_st
 
 def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, devices_per_node: int | None = None,
          profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
-         dtype: str = "bfloat16", graph: Any = None, alternatives: int = 5) -> Plan:
+         dtype: str = "bfloat16", graph: Any = None, alternatives: int = 5,
+         sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP."""
     if world_size < 1:
         raise AutospError(f"world size must be at least 1, got {world_size}")
@@ -117,8 +121,10 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     dpn = devices_per_node or prof.devices_per_node
     limit = memory_limit or prof.memory_bytes
     g = graph if graph is not None else capture(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
+    if limit == float("inf"):
+        limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     t0 = time.perf_counter()
-    cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len)
+    cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints)
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
     sol = solve(cands, limit)

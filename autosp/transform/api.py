@@ -56,7 +56,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     Without an initialised process group there is nothing to split: the model is returned
     as it is, with a warning, so one training script runs alone or under torchrun.
     """
-    the_plan = _load_plan(plan)
+    provider = plan if callable(plan) and not isinstance(plan, str) else None
+    the_plan = None if provider is not None else _load_plan(plan)
     if the_plan is not None:
         if dist.is_available() and dist.is_initialized():
             the_plan.check(world_size=dist.get_world_size())
@@ -88,6 +89,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     _hybrid_groups(config, strategies)
     sp = SequenceParallel(model, config, reduce_grads)
     sp.plan = the_plan
+    sp.plan_provider = provider
     return sp
 
 
@@ -162,6 +164,7 @@ class SequenceParallel(nn.Module):
         self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
         self._checked = False
         self.plan = None             # the Plan applied, if any
+        self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
         self._hooks = [p.register_hook(self._reduce_grad) for p in module.parameters()
                        if p.requires_grad] if reduce_grads and self.sp_degree > 1 else []
@@ -176,7 +179,9 @@ class SequenceParallel(nn.Module):
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
-        if self.plan is not None:
+        if self.plan is None and self.plan_provider is not None:
+            self._plan_now(named, seq_len)
+        if self.plan is not None and self.plan_provider is None:
             self.plan.check(seq_len=seq_len)
         padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
         if padded_len != seq_len and seq_len not in self._warned_lengths:
@@ -197,6 +202,17 @@ class SequenceParallel(nn.Module):
         if padded_len == seq_len or self.state.local_outputs:
             return out
         return _trim(out, padded_len, seq_len)
+
+    def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
+        """Plan for this batch (the SP degree is the group's), then configure before compiling."""
+        batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
+        padded = -(-seq_len // self.sp_degree) * self.sp_degree
+        plan = self.plan_provider(self.module, batch, padded, self.group)
+        strategies = plan.strategy_per_layer()
+        self.config.strategy, self.config.layout = strategies, plan.layout
+        self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
+        _hybrid_groups(self.config, strategies)
+        self.plan = plan
 
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):

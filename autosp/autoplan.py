@@ -1,0 +1,78 @@
+"""``autosp.compile(model, plan="auto")``: plan for the real batch on the first call, then apply.
+
+The planner runs once, on the SP group's first rank, for the shape of the first batch
+and the profile of the machine (``cpu-gloo`` on CPU; the H100/H200/A100 profile on
+those GPUs); the plan is broadcast to the other ranks and cached on disk by model
+fingerprint, world size, sequence length and profile (``$XDG_CACHE_HOME/autosp/plans``),
+so a restarted job skips planning. The SP degree is the group's; the planner picks
+the attention strategy per layer and the token layout. Activation checkpointing is
+not applied by the transform yet, so these plans are made without it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def machine_profile(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name(device).lower()
+    for key, prof in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", "a100-sxm")):
+        if key in name:
+            return prof
+    return "h100-sxm"
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "autosp", "plans")
+
+
+class AutoPlanner:
+    """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
+
+    def __init__(self, profile: str | None = None, cache: bool = True):
+        self.profile = profile
+        self.cache = cache
+        self.cache_path: str | None = None
+
+    def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup) -> Any:
+        from autosp.planner.plan import Plan
+
+        world = dist.get_world_size(group)
+        payload: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            payload[0] = self._plan(module, batch_size, seq_len, world).to_json()
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+        import json
+
+        return Plan(**json.loads(payload[0]))
+
+    def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int) -> Any:
+        from autosp.planner.capture import capture
+        from autosp.planner.plan import Plan, model_fingerprint
+        from autosp.planner.search import plan
+
+        param = next(module.parameters())
+        profile = self.profile or machine_profile(param.device)
+        dtype = str(param.dtype).replace("torch.", "")
+        graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
+        key = f"{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"
+        path = os.path.join(_cache_dir(), key)
+        self.cache_path = path
+        if self.cache and os.path.exists(path):
+            return Plan.load(path)
+        p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
+                 sp_degrees=(world,), checkpoints=("none",), memory_limit=float("inf"))
+        if self.cache:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            p.save(tmp)
+            os.replace(tmp, path)            # atomic: concurrent jobs never read half a file
+        return p
