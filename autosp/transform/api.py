@@ -63,6 +63,11 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
             the_plan.check(world_size=dist.get_world_size())
         strategy, layout = the_plan.strategy_per_layer(), the_plan.layout
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
+        ckpt = {layer["checkpoint"] for layer in the_plan.layers} - {"none"}
+        if ckpt:
+            warnings.warn(f"the plan asks for {'/'.join(sorted(ckpt))} activation checkpointing, which autosp does "
+                          "not apply yet: wrap the layers with torch.utils.checkpoint, or plan with checkpointing "
+                          "off; memory will exceed the plan's prediction otherwise", stacklevel=2)
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         if st not in STRATEGIES and not st.startswith("hybrid:"):
