@@ -23,12 +23,14 @@ _register_backend()
 
 
 def compile(model, *, plan=None, **kwargs):  # noqa: A001 - mirrors torch.compile
-    """``autosp.transform.api.compile``; ``plan="auto"`` plans for the first batch with the ILP
-    (see :mod:`autosp.autoplan`), a Plan or a plan path applies that plan."""
-    if plan == "auto":
+    """``autosp.transform.api.compile``, planned: with ``strategy="auto"`` (the default) and no
+    plan, or ``plan="auto"``, the ILP plans for the first batch (see :mod:`autosp.autoplan`;
+    if it cannot, the default strategy choice applies, with a warning); a Plan or a plan path
+    applies that plan."""
+    if plan == "auto" or (plan is None and kwargs.get("strategy", "auto") == "auto"):
         from autosp.autoplan import AutoPlanner
 
-        plan = AutoPlanner()
+        plan = AutoPlanner(fallback=plan is None)
     return _compile(model, plan=plan, **kwargs)
 
 

@@ -37,9 +37,10 @@ def _cache_dir() -> str:
 class AutoPlanner:
     """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
 
-    def __init__(self, profile: str | None = None, cache: bool = True):
+    def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False):
         self.profile = profile
         self.cache = cache
+        self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup) -> Any:
@@ -48,8 +49,18 @@ class AutoPlanner:
         world = dist.get_world_size(group)
         payload: list[Any] = [None]
         if dist.get_rank(group) == 0:
-            payload[0] = self._plan(module, batch_size, seq_len, world).to_json()
+            try:
+                payload[0] = self._plan(module, batch_size, seq_len, world).to_json()
+            except Exception as e:  # noqa: BLE001 - reported; the caller falls back or raises
+                if not self.fallback:
+                    raise
+                import warnings
+
+                warnings.warn(f"autosp could not plan this model ({type(e).__name__}: {str(e)[:200]}); using the "
+                              "default strategy choice instead", stacklevel=3)
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+        if payload[0] is None:
+            return None
         import json
 
         return Plan(**json.loads(payload[0]))
@@ -63,7 +74,7 @@ class AutoPlanner:
         profile = self.profile or machine_profile(param.device)
         dtype = str(param.dtype).replace("torch.", "")
         graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
-        key = f"{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"
+        key = f"{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"  # + schema via Plan.load
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):

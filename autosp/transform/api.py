@@ -213,6 +213,9 @@ class SequenceParallel(nn.Module):
         batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
         padded = -(-seq_len // self.sp_degree) * self.sp_degree
         plan = self.plan_provider(self.module, batch, padded, self.group)
+        if plan is None:                 # planning failed (already reported): keep the default choice
+            self.plan_provider = None
+            return
         strategies = plan.strategy_per_layer()
         self.config.strategy, self.config.layout = strategies, plan.layout
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
