@@ -41,7 +41,6 @@ def distributed(seq_lens: list[int], strategies: list[str], repeats: int) -> lis
 
 
 def single(seq_lens: list[int], repeats: int) -> dict[int, dict]:
-    import torch
 
     return {s: measure_step(tiny_model(), s, repeats) for s in seq_lens}
 

@@ -109,7 +109,7 @@ def _attention_critical_time(profile: HardwareProfile, a: dict, S: float, sp: in
     """
     from autosp.transform.layout import n_chunks, rank_chunks
 
-    q, k = a["in_shapes"][0], a["in_shapes"][1]
+    q = a["in_shapes"][0]
     bh = _ev(q[0], S) * _ev(q[1], S)
     d = _ev(q[-1], S)
     causal = _ev(a["flops"], S) < _full_attention_flops(a, S)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import sys
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import networkx as nx
 import sympy

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
