@@ -1,7 +1,7 @@
 """``autosp demo``: the main job on built-in defaults, on any laptop.
 
 1. capture and cost one training step of a real model (default llama3-8b at
-   128k tokens) on fake tensors;
+   128k tokens) on fake tensors, and plan it for 8 H100s (published profile, ZeRO 3);
 2. train the built-in ``tiny`` Llama for a few steps with autosp on 2 CPU
    processes (gloo) and on one process, and print both loss curves side by side.
 """
@@ -73,11 +73,17 @@ def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, tr
     from rich.table import Table
 
     from autosp.planner import capture
-    from autosp.planner.report import inspect_table
+    from autosp.planner.report import inspect_table, plan_table
+    from autosp.planner.search import plan
 
     console = Console(width=max(Console().width, 110))
     console.print(f"[bold]1. one training step of {model} at {seq_len} tokens, captured on fake tensors[/bold]")
-    console.print(inspect_table(capture(model, seq_len=seq_len)))
+    graph = capture(model, seq_len=seq_len)
+    console.print(inspect_table(graph))
+    console.print(f"\n[bold]   its plan on 8 H100s (published profile, ZeRO 3)[/bold]")
+    for item in plan_table(plan(None, graph=graph, seq_len=seq_len, world_size=8, profile="h100-sxm",
+                                zero_stage=3)):
+        console.print(item)
 
     console.print(f"\n[bold]2. tiny Llama, {steps} AdamW steps at {train_seq_len} tokens: autosp on {world} "
                   "gloo processes vs one process[/bold]")
