@@ -96,8 +96,9 @@ def run(seq_len: int, repeats: int) -> dict:
     base = transformers.AutoModelForCausalLM.from_config(hf_config("tiny"))
     hand_model = copy.deepcopy(base)
     hand_loss = _handwritten_model(hand_model, dist.group.WORLD)
-    auto = autosp.compile(copy.deepcopy(base))                       # default: local logits
-    auto_gathered = autosp.compile(copy.deepcopy(base), gather_outputs=True)
+    auto = autosp.compile(copy.deepcopy(base), strategy="ulysses")   # like for like; local logits
+    planned = autosp.compile(copy.deepcopy(base))                     # the default: planned strategy
+    auto_gathered = autosp.compile(copy.deepcopy(base), strategy="ulysses", gather_outputs=True)
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
 
     def step_hand():
@@ -112,10 +113,10 @@ def run(seq_len: int, repeats: int) -> dict:
             m.module.zero_grad(set_to_none=True)
         return step
 
-    steps = {"hand-written Ulysses": step_hand, "autosp (default)": make_auto(auto),
-             "autosp (gather_outputs=True)": make_auto(auto_gathered)}
+    steps = {"hand-written Ulysses": step_hand, "autosp ulysses": make_auto(auto),
+             "autosp ulysses, gather_outputs": make_auto(auto_gathered), "autosp planned": make_auto(planned)}
     losses = {"hand-written Ulysses": hand_loss(ids).item(),
-              "autosp (default)": auto(input_ids=ids, labels=ids).loss.item()}
+              "autosp ulysses": auto(input_ids=ids, labels=ids).loss.item()}
     for s in steps.values():           # warm-up: compile and first-touch
         s()
         s()
@@ -123,7 +124,9 @@ def run(seq_len: int, repeats: int) -> dict:
     for _ in range(repeats):           # alternate A/B/C rounds
         for k, s in steps.items():
             times[k].append(median_time(s, 1, dist.barrier))
-    return {"seq_len": seq_len, "times": {k: sorted(v)[len(v) // 2] for k, v in times.items()}, "losses": losses}
+    chosen = planned.plan.layers[0]["strategy"] if planned.plan is not None else "heuristic"
+    return {"seq_len": seq_len, "times": {k: sorted(v)[len(v) // 2] for k, v in times.items()}, "losses": losses,
+            "planned": chosen}
 
 
 def main() -> None:
@@ -138,6 +141,7 @@ def main() -> None:
     for k, t in res["times"].items():
         print(f"{k:32s} {t:9.3f} {t / base:7.3f}")
     print("losses (same weights and batch):", {k: round(v, 6) for k, v in res["losses"].items()})
+    print("the planner chose:", res["planned"])
 
 
 if __name__ == "__main__":
