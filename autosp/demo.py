@@ -80,7 +80,7 @@ def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, tr
     console.print(f"[bold]1. one training step of {model} at {seq_len} tokens, captured on fake tensors[/bold]")
     graph = capture(model, seq_len=seq_len)
     console.print(inspect_table(graph))
-    console.print(f"\n[bold]   its plan on 8 H100s (published profile, ZeRO 3)[/bold]")
+    console.print("\n[bold]   its plan on 8 H100s (published profile, ZeRO 3)[/bold]")
     for item in plan_table(plan(None, graph=graph, seq_len=seq_len, world_size=8, profile="h100-sxm",
                                 zero_stage=3)):
         console.print(item)

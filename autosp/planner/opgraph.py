@@ -77,12 +77,6 @@ class OpGraph:
                 continue
             yield name, a
 
-    def layer_class_of(self, block: int) -> LayerClass:
-        for lc in self.layer_classes.values():
-            if block in lc.captured:
-                return lc
-        raise KeyError(block)
-
     # -- symbolic sums ---------------------------------------------------------------------
     def block_sum(self, block: int | None, fld: str, phase: str | None = None) -> Any:
         """Symbolic sum of a field over one captured block (``None``: outside all blocks)."""

@@ -187,9 +187,6 @@ class Sharder:
         raise AutospError("no input carries the sequence length; pass the token ids as a graph input")
 
     # ------------------------------------------------------------------ per node
-    def _inputs(self, n: fx.Node) -> list[fx.Node]:
-        return [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor) or a in self.place]
-
     def _visit(self, n: fx.Node) -> None:
         ins = n.all_input_nodes
         s_in = [a for a in ins if self.place.get(a) is not None]
@@ -231,9 +228,6 @@ class Sharder:
         if isinstance(v, (tuple, list)):
             return (-1,)          # a tuple of shards; getitem reads each element's dims
         return None
-
-    def _getitem_dims(self, n: fx.Node) -> tuple[int, ...] | None:
-        return self.seq_dims(_val(n)) or None
 
     # ------------------------------------------------------------------ special ops
     def _attention(self, n: fx.Node) -> None:
