@@ -8,16 +8,7 @@
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-from typing import Any
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from autosp.launch import spawn_gloo
 
 
 def _train(steps: int, seq_len: int, distributed: bool) -> list[float]:
@@ -45,30 +36,11 @@ def _train(steps: int, seq_len: int, distributed: bool) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, port: int, steps: int, seq_len: int, out: Any) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        losses = _train(steps, seq_len, distributed=True)
-        if rank == 0:
-            out.put(losses)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, train_seq_len: int = 1024,
              world: int = 2) -> float:
     """Print the inspect table and the SP-vs-single-process losses; returns the worst relative gap."""
     import warnings
 
-    import torch.multiprocessing as mp
     from rich.console import Console
     from rich.table import Table
 
@@ -87,18 +59,10 @@ def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, tr
 
     console.print(f"\n[bold]2. tiny Llama, {steps} AdamW steps at {train_seq_len} tokens: autosp on {world} "
                   "gloo processes vs one process[/bold]")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, steps, train_seq_len, out)) for r in range(world)]
-    for p in procs:
-        p.start()
+    sp = spawn_gloo(_train, world, threads=1, timeout=600, steps=steps, seq_len=train_seq_len, distributed=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         single = _train(steps, train_seq_len, distributed=False)
-    sp = out.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
     t = Table()
     for col in ("step", "1 process", f"autosp, SP={world}", "relative gap"):
         t.add_column(col, justify="right")

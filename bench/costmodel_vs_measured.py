@@ -5,19 +5,17 @@
 
 Built-in tiny Llama, fp32, one CPU thread per rank (one core = one device, as the
 profile was measured). Prints predicted vs measured step time (MAPE) and per-rank
-peak step memory (allocator view; see autosp.costmodel.validate).
+peak step memory (allocator view; see autosp.validation).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import spawn  # noqa: E402
+from autosp.launch import spawn_gloo as spawn  # noqa: E402
 
-from autosp.costmodel.validate import measured_single, measured_sp, predicted  # noqa: E402
+from autosp.validation import measured_single, measured_sp, predicted  # noqa: E402
 
 SP2 = ["ulysses", "ring", "zigzag_ring", "allgather_kv"]
 

@@ -10,11 +10,8 @@ as right when it is the measured fastest or within 5% of it.
 
 from __future__ import annotations
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import spawn  # noqa: E402
+from autosp.launch import spawn_gloo as spawn  # noqa: E402
 
 STRATEGIES = ["ulysses", "ring", "zigzag_ring", "allgather_kv"]
 GRID = [(s, h) for s in (2048, 8192) for h in (2, 4, 8)]
@@ -38,7 +35,7 @@ def measure(grid: list, repeats: int) -> list[dict]:
     import torch.distributed as dist
 
     import autosp
-    from autosp.costmodel.validate import measure_step
+    from autosp.validation import measure_step
 
     torch.set_num_threads(1)
     rows = []

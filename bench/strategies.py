@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import spawn  # noqa: E402
+from autosp.launch import spawn_gloo as spawn  # noqa: E402
 
-from autosp.costmodel.validate import measure_step, tiny_model  # noqa: E402
+from autosp.validation import measure_step, tiny_model  # noqa: E402
 
 STRATEGIES = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"]
 

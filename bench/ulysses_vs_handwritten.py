@@ -13,11 +13,8 @@ count, all-reduce gradients. Rounds alternate A/B to cancel drift; medians.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_time, spawn  # noqa: E402
+from autosp.launch import median_time, spawn_gloo as spawn  # noqa: E402
 
 
 def _handwritten_model(model, group):

@@ -180,8 +180,8 @@ def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...
 
 
 def costmodel_measure(seq_len: int = 1024, strategies: tuple[str, ...] = ("ulysses", "zigzag_ring")) -> list:
-    """Measured step time and peak step memory of tiny Llama under autosp (see costmodel.validate)."""
-    from autosp.costmodel.validate import measured_sp
+    """Measured step time and peak step memory of tiny Llama under autosp (see autosp.validation)."""
+    from autosp.validation import measured_sp
 
     return measured_sp([seq_len], list(strategies), repeats=2)
 

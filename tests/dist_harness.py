@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from autosp.launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:

@@ -70,7 +70,7 @@ def test_mixed_strategies_per_layer(pool):
 
 
 def test_costmodel_predicts_sp2_memory_and_time(pool):
-    from autosp.costmodel.validate import predicted
+    from autosp.validation import predicted
 
     rows = predicted(run_ok(pool, "costmodel_measure")[0])
     for r in rows:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autosp.costmodel.flops import OpKind
+from autosp.costmodel.partition import S, n_chunks, rank_chunks, ulysses_kv_repeat
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 
@@ -48,19 +49,7 @@ def _ev(expr: Any, s: float) -> float:
 def _ev_sym(expr: Any, s: float) -> float:
     # The planner evaluates the same few hundred expressions at a handful of lengths
     # for dozens of candidate configurations: evaluate each once.
-    return float(expr.xreplace({_sym(): s}))
-
-
-_S = None
-
-
-def _sym():
-    global _S
-    if _S is None:
-        from autosp.planner.opgraph import S
-
-        _S = S
-    return _S
+    return float(expr.xreplace({S: s}))
 
 
 @dataclass
@@ -107,8 +96,6 @@ def _attention_critical_time(profile: HardwareProfile, a: dict, S: float, sp: in
     contiguous layout rank r: 1 causal + r full (the last rank is busiest); zigzag rank r
     (chunks r, 2P-1-r): 2 causal + 2P-1 full on every rank (balanced).
     """
-    from autosp.transform.layout import n_chunks, rank_chunks
-
     q = a["in_shapes"][0]
     bh = _ev(q[0], S) * _ev(q[1], S)
     d = _ev(q[-1], S)
@@ -234,8 +221,6 @@ def _communication(graph, profile, attn, n_attn, attn_fwd, attn_bwd, S, sp, dp, 
         q_bytes = b * h * s_loc * d * e
         ct = profile.collective_time
         if strategy == "ulysses":
-            from autosp.transform.attention import ulysses_kv_repeat
-
             kv_bytes = b * hkv * ulysses_kv_repeat(int(h), int(hkv), sp) * s_loc * d * e
             per = 2 * (2 * ct("all_to_all", sp, q_bytes, inter) + 2 * ct("all_to_all", sp, kv_bytes, inter))
             layer_comm, layer_exposed = per, per
@@ -253,8 +238,6 @@ def _communication(graph, profile, attn, n_attn, attn_fwd, attn_bwd, S, sp, dp, 
         elif strategy.startswith("hybrid"):
             u = ulysses_degree or int(strategy.split(":")[1].lower().split("x")[0])
             r = sp // u
-            from autosp.transform.attention import ulysses_kv_repeat
-
             kv_bytes = b * hkv * ulysses_kv_repeat(int(h), int(hkv), u) * s_loc * d * e
             a2a = 2 * (2 * ct("all_to_all", u, q_bytes, False) + 2 * ct("all_to_all", u, kv_bytes, False))
             kv_block = 2 * kv_bytes            # after the all-to-all: u x tokens, 1/u of the heads

@@ -29,8 +29,7 @@ import networkx as nx
 import sympy
 
 from autosp.costmodel.flops import OpKind
-
-S = sympy.Symbol("S", integer=True, positive=True)
+from autosp.costmodel.partition import S
 
 NUMERIC_FIELDS = ("flops", "bytes_read", "bytes_written", "bytes_saved")
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from autosp.costmodel.partition import ulysses_kv_repeat
 from autosp.errors import AutospError
 from autosp.transform.blockwise import chunked_attention
 from autosp.transform.collectives import all_gather_rs, all_to_all, resolve_group
@@ -31,15 +32,6 @@ from autosp.transform.layout import all_chunks, rank_chunks, to_natural_order, t
 from autosp.transform.ring import ring_attention
 
 STRATEGIES = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "hybrid")
-
-
-def ulysses_kv_repeat(n_heads: int, n_kv: int, world: int) -> int:
-    """How many times each KV head is repeated before the all-to-all."""
-    if n_kv % world == 0:
-        return 1
-    if world % n_kv == 0:
-        return world // n_kv
-    return n_heads // n_kv
 
 
 def check_ulysses_heads(n_heads: int, n_kv: int, world: int, where: str) -> None:

@@ -14,24 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from autosp.costmodel.partition import LAYOUTS, all_chunks, n_chunks, rank_chunks  # noqa: F401 - re-exported
 from autosp.transform.collectives import all_gather
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def rank_chunks(layout: str, rank: int, world: int) -> list[int]:
-    if layout == "zigzag":
-        return [rank, 2 * world - 1 - rank]
-    return [rank]
-
-
-def all_chunks(layout: str, world: int) -> list[int]:
-    """Chunk ids of ranks 0..P-1, concatenated: the order an all-gather produces."""
-    return [c for r in range(world) for c in rank_chunks(layout, r, world)]
-
-
-def n_chunks(layout: str, world: int) -> int:
-    return 2 * world if layout == "zigzag" else world
 
 
 def _as_tokens(x: Tensor, dim: int, full_len: int) -> tuple[Tensor, list[int], int]:

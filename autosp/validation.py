@@ -10,9 +10,9 @@ inputs exist before the step), the same quantity as the prediction's
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
+
+from autosp.launch import median_time
 
 
 def tiny_model():
@@ -50,17 +50,11 @@ def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[st
             p.grad = None
         return loss.item()
 
-    step()
-    times = []
-    for _ in range(repeats):
-        if barrier:
-            barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    step()                                           # warm-up (and compile)
+    seconds = median_time(step, repeats, barrier)
     probe = PeakBytes()
     loss = step(probe)
-    return {"time": statistics.median(times), "peak": probe.peak, "loss": loss}
+    return {"time": seconds, "peak": probe.peak, "loss": loss}
 
 
 def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) -> list[dict[str, Any]]:

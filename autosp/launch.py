@@ -1,0 +1,69 @@
+"""Run a function on N local gloo processes (demo, benchmarks), and time steps robustly."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads: int | None, out: Any) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_VERBOSITY="error")
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        res = fn(**kwargs)
+        if rank == 0:
+            out.put(res)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: float = 3600, **kwargs: Any) -> Any:
+    """Run ``fn(**kwargs)`` on ``world`` spawned gloo ranks; returns rank 0's result.
+
+    ``fn`` must be importable by name (a module-level function). ``threads`` per rank
+    defaults to an even share of the cores.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, threads, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+
+
+def median_time(step: Callable[[], Any], repeats: int, barrier: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``repeats`` calls of ``step`` (each after ``barrier``, if given)."""
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
