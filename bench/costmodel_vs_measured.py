@@ -23,7 +23,7 @@ SP2 = ["ulysses", "ring", "zigzag_ring", "allgather_kv"]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384])
-    ap.add_argument("--sp4-seq-lens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--sp4-seq-lens", type=int, nargs="*", default=[4096], help="none: skip SP 4")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--profile", default="cpu-gloo")
     ap.add_argument("--out", default=None)

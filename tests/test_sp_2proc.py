@@ -75,8 +75,9 @@ def test_costmodel_predicts_sp2_memory_and_time(pool):
     rows = predicted(run_ok(pool, "costmodel_measure")[0])
     for r in rows:
         assert r["pred_peak"] == pytest.approx(r["peak"], rel=0.10), r
-        # Timing on a shared 2-core machine is noisy: a wide band here, the bench has the MAPE.
-        assert r["pred_time"] == pytest.approx(r["time"], rel=0.40), r
+        # Only the order of magnitude here: a loaded machine doubles step times (seen when a bench
+        # ran beside the suite); the accuracy claim (MAPE 8%) lives in bench/costmodel_vs_measured.py.
+        assert 1 / 3 < r["pred_time"] / r["time"] < 3, r
 
 
 def test_saved_plan_is_applied_exactly_and_refused_when_it_does_not_match(pool, tmp_path):
