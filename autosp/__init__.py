@@ -5,14 +5,13 @@ Public API:
     autosp.plan(model, ...)         choose SP x DP, strategies and checkpointing (planner/)
     autosp.Plan                     the plan document (save / load / check)
     autosp.load_profile(name)       a hardware profile (costmodel/, profiles/)
-    autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (planner/)
+    autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
     torch.compile(model, backend="autosp", dynamic=True)
 """
 
 from autosp.costmodel.profile import load_profile
 from autosp.errors import AutospError
-from autosp.planner.capture import capture
-from autosp.planner.opgraph import OpGraph
+from autosp.graph import OpGraph, capture
 from autosp.planner.plan import Plan
 from autosp.planner.search import plan
 from autosp.transform.api import SequenceParallel

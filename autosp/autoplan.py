@@ -66,15 +66,16 @@ class AutoPlanner:
         return Plan(**json.loads(payload[0]))
 
     def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int) -> Any:
-        from autosp.planner.capture import capture
-        from autosp.planner.plan import Plan, model_fingerprint
+        from autosp.graph import capture
+        from autosp.planner.plan import SCHEMA, Plan, model_fingerprint
         from autosp.planner.search import plan
 
         param = next(module.parameters())
         profile = self.profile or machine_profile(param.device)
         dtype = str(param.dtype).replace("torch.", "")
         graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
-        key = f"{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"  # + schema via Plan.load
+        schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
+        key = f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):

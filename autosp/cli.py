@@ -35,7 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser, seq_required: bool = True) -> No
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from autosp.planner import capture
+    from autosp.graph import capture
     from autosp.planner.report import inspect_dict, inspect_table
 
     g = capture(args.model, seq_len=args.seq_len, batch_size=args.batch_size, dtype=args.dtype,
@@ -122,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from autosp.catalog import CATALOG
+    from autosp.graph.catalog import CATALOG
 
     for name, (cls, kw) in sorted(CATALOG.items()):
         print(f"{name:16s} {cls}")

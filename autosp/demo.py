@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from autosp.launch import spawn_gloo
+from autosp.tools.launch import spawn_gloo
 
 
 def _train(steps: int, seq_len: int, distributed: bool) -> list[float]:
@@ -16,7 +16,7 @@ def _train(steps: int, seq_len: int, distributed: bool) -> list[float]:
     import transformers
 
     import autosp
-    from autosp.catalog import hf_config
+    from autosp.graph.catalog import hf_config
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, tr
     from rich.console import Console
     from rich.table import Table
 
-    from autosp.planner import capture
+    from autosp.graph import capture
     from autosp.planner.report import inspect_table, plan_table
     from autosp.planner.search import plan
 

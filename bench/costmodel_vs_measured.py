@@ -5,7 +5,7 @@
 
 Built-in tiny Llama, fp32, one CPU thread per rank (one core = one device, as the
 profile was measured). Prints predicted vs measured step time (MAPE) and per-rank
-peak step memory (allocator view; see autosp.validation).
+peak step memory (allocator view; see autosp.tools.validation).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from autosp.launch import spawn_gloo as spawn  # noqa: E402
+from autosp.tools.launch import spawn_gloo as spawn  # noqa: E402
 
-from autosp.validation import measured_single, measured_sp, predicted  # noqa: E402
+from autosp.tools.validation import measured_single, measured_sp, predicted  # noqa: E402
 
 SP2 = ["ulysses", "ring", "zigzag_ring", "allgather_kv"]
 

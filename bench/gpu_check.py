@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 
 def blockwise_check() -> list[str]:
-    from autosp.transform.blockwise import chunked_attention
+    from autosp.strategies.blockwise import chunked_attention
 
     lines = []
     for dtype in (torch.bfloat16, torch.float16):       # the flash kernel's dtypes

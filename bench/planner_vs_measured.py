@@ -11,7 +11,7 @@ as right when it is the measured fastest or within 5% of it.
 from __future__ import annotations
 
 
-from autosp.launch import spawn_gloo as spawn  # noqa: E402
+from autosp.tools.launch import spawn_gloo as spawn  # noqa: E402
 
 STRATEGIES = ["ulysses", "ring", "zigzag_ring", "allgather_kv"]
 GRID = [(s, h) for s in (2048, 8192) for h in (2, 4, 8)]
@@ -35,7 +35,7 @@ def measure(grid: list, repeats: int) -> list[dict]:
     import torch.distributed as dist
 
     import autosp
-    from autosp.validation import measure_step
+    from autosp.tools.validation import measure_step
 
     torch.set_num_threads(1)
     rows = []
@@ -48,10 +48,10 @@ def measure(grid: list, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    from autosp.catalog import ModelSource
+    from autosp.graph.catalog import ModelSource
     from autosp.costmodel.predict import predict
     from autosp.costmodel.profile import load_profile
-    from autosp.planner import capture
+    from autosp.graph import capture
 
     rows = spawn(measure, 2, grid=GRID, repeats=2)
     prof = load_profile("cpu-gloo")

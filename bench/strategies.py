@@ -6,7 +6,7 @@
 Built-in tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers), fp32, gloo on
 this machine's CPU cores (shared by all ranks). Time: one forward+backward step
 after a warm-up step, median over ``--repeats``. Memory: peak bytes of tensors
-allocated during one step on rank 0 (autosp.costmodel.memory_probe; the
+allocated during one step on rank 0 (autosp.tools.memory_probe; the
 allocator's view, not RSS), with parameters and inputs allocated before the step.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from autosp.launch import spawn_gloo as spawn  # noqa: E402
+from autosp.tools.launch import spawn_gloo as spawn  # noqa: E402
 
-from autosp.validation import measure_step, tiny_model  # noqa: E402
+from autosp.tools.validation import measure_step, tiny_model  # noqa: E402
 
 STRATEGIES = ["ulysses", "ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"]
 

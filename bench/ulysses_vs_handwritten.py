@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from autosp.launch import median_time, spawn_gloo as spawn  # noqa: E402
+from autosp.tools.launch import median_time, spawn_gloo as spawn  # noqa: E402
 
 
 def _handwritten_model(model, group):
@@ -87,7 +87,7 @@ def run(seq_len: int, repeats: int) -> dict:
     import transformers
 
     import autosp
-    from autosp.catalog import hf_config
+    from autosp.graph.catalog import hf_config
 
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(hf_config("tiny"))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import autosp
-from autosp.catalog import hf_config
+from autosp.graph.catalog import hf_config
 
 
 def main() -> None:

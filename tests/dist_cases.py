@@ -86,6 +86,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
     out["param_err"] = _rel(flat(sp_model), flat(ref))
     out["attention_ops"] = sp.state.attention_ops
+    out["strategies"] = sp.state.strategies          # the spec that ran, per attention op
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out
 
@@ -155,10 +156,9 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
 def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...] = (2, 4)) -> dict[str, int]:
     """Peak bytes allocated by ring attention forward+backward on one rank, per (P, S)."""
     import torch.distributed as dist
-    from autosp.costmodel.memory_probe import PeakBytes
-
-    from autosp.transform.layout import all_chunks
-    from autosp.transform.ring import ring_backward, ring_forward
+    from autosp.strategies.layout import all_chunks
+    from autosp.tools.memory_probe import PeakBytes
+    from autosp.strategies.ring_kernel import ring_backward, ring_forward
 
     groups = {p: dist.new_group(list(range(p))) for p in degrees}   # every rank creates every group
     out: dict[str, int] = {}
@@ -180,8 +180,8 @@ def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...
 
 
 def costmodel_measure(seq_len: int = 1024, strategies: tuple[str, ...] = ("ulysses", "zigzag_ring")) -> list:
-    """Measured step time and peak step memory of tiny Llama under autosp (see autosp.validation)."""
-    from autosp.validation import measured_sp
+    """Measured step time and peak step memory of tiny Llama under autosp (see autosp.tools.validation)."""
+    from autosp.tools.validation import measured_sp
 
     return measured_sp([seq_len], list(strategies), repeats=2)
 
@@ -194,10 +194,11 @@ def plan_apply(tmp: str, seq_len: int = 32) -> dict[str, Any]:
 
     world = dist.get_world_size()
     plan = Plan(model="reference", fingerprint="x", seq_len=seq_len, batch_size=2, dtype="float32",
-                world_size=world, devices_per_node=world, sp_degree=world, dp_degree=1, ulysses_degree=world,
-                ring_degree=1, layout="zigzag",
-                layers=[{"class": "Block", "count": 1, "strategy": "ulysses", "checkpoint": "none"},
-                        {"class": "Block", "count": 1, "strategy": "zigzag_ring", "checkpoint": "none"}],
+                world_size=world, devices_per_node=world, sp_degree=world, dp_degree=1, layout="zigzag",
+                layers=[{"class": "Block", "count": 1, "strategy": "ulysses", "checkpoint": "none",
+                         "ulysses_degree": world, "ring_degree": 1},
+                        {"class": "Block", "count": 1, "strategy": "zigzag_ring", "checkpoint": "none",
+                         "ulysses_degree": 1, "ring_degree": world}],
                 predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0)
     path = f"{tmp}/plan-{dist.get_rank()}.json"
     plan.save(path)
@@ -228,3 +229,19 @@ def auto_plan_compare(kind: str = "llama", cache_dir: str = "", **cfg: Any) -> d
     files = os.listdir(os.path.join(cache_dir, "autosp", "plans"))
     out["cached"] = files
     return out
+
+
+def toy_strategy_compare(seq_len: int = 32) -> dict[str, Any]:
+    """A strategy registered from the tests (tests/toy_strategy.py), forced and planned: exact."""
+    import torch.distributed as dist
+
+    import toy_strategy
+    from autosp.strategies import register
+
+    register(toy_strategy.ToyAllGatherAllReduce)         # idempotent: the pool may have run this before
+    forced = train_compare("llama", seq_len=seq_len, steps=2, strategy=toy_strategy.FAMILY, heads=4, kv=2)
+    world = dist.get_world_size()
+    p = autosp.plan(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2, world_size=world,
+                    profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,))
+    planned = train_compare("llama", seq_len=seq_len, steps=2, plan=p, heads=4, kv=2)
+    return {"forced": forced, "planned": planned, "plan_strategies": [layer["strategy"] for layer in p.layers]}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from autosp.launch import free_port
+from autosp.tools.launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:

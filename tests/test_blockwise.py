@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autosp.transform.blockwise import chunked_attention
+from autosp.strategies.blockwise import chunked_attention
 
 
 def _chunks(x, ids, n):

@@ -6,8 +6,8 @@ import resource
 import pytest
 
 from autosp.errors import AutospError
-from autosp.planner import S, capture
-from autosp.planner.opgraph import evaluate
+from autosp.graph import S, capture
+from autosp.graph import evaluate
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +74,12 @@ def test_sizes_are_symbolic_in_the_sequence_length(llama8b):
     rows2 = llama8b.layer_rows(8192)[0]
     assert 2.0 < rows2["fwd_flops_per_layer"] / rows1["fwd_flops_per_layer"] < 4.0
     assert rows2["act_bytes_per_layer"] == pytest.approx(2 * rows1["act_bytes_per_layer"])
-    attn = [a for _, a in llama8b.nodes(phase="fwd") if a["kind"].value == "attention"]
-    assert attn and attn[0]["seq_dims"][0] == [2]          # [B, H, S, D]
-    grads = [a for _, a in llama8b.nodes(phase="bwd") if a["kind"].value == "matmul"
-             and a["shapes"][0] == (4096, 4096)]
-    assert grads and not grads[0]["seq_dims"][0]           # weight grads hold no S
+    attn = [a for a in llama8b.nodes(phase="fwd") if a.kind.value == "attention"]
+    assert attn and attn[0].seq_dims[0] == [2]          # [B, H, S, D]
+    assert attn[0].attention.q_len == S and attn[0].attention.heads == 32 and attn[0].attention.kv_heads == 8
+    assert attn[0].attention.causal
+    grads = [a for a in llama8b.nodes(phase="bwd") if a.kind.value == "matmul" and a.shapes[0] == (4096, 4096)]
+    assert grads and not grads[0].seq_dims[0]           # weight grads hold no S
 
 
 @pytest.mark.parametrize("name,params", [("gpt2-xl", 1.56e9), ("mistral-7b", 7.24e9),
@@ -106,8 +107,8 @@ def test_reference_transformer_and_generic_factory():
     counts = sorted(lc.count for lc in enc.layer_classes.values())
     assert counts == [1, 2] and {lc.module_type for lc in enc.layer_classes.values()} == {"Linear"}
     # Non-causal attention: full S x S count.
-    fwd = [a for _, a in enc.nodes(phase="fwd") if a["kind"].value == "attention"]
-    assert evaluate(fwd[0]["flops"], 128) == 4 * 1 * 128 * 128 * 32
+    fwd = [a for a in enc.nodes(phase="fwd") if a.kind.value == "attention"]
+    assert evaluate(fwd[0].flops, 128) == 4 * 1 * 128 * 128 * 32 and not fwd[0].attention.causal
 
 
 def test_config_json_path(tmp_path):
@@ -135,5 +136,5 @@ def test_bad_input_errors_name_the_fix():
 
 
 def test_symbol_is_the_public_sequence_symbol(llama8b):
-    emb = [a for _, a in llama8b.nodes(phase="fwd") if a["kind"].value == "embedding"]
-    assert emb[0]["shapes"][0] == (1, S, 4096)
+    emb = [a for a in llama8b.nodes(phase="fwd") if a.kind.value == "embedding"]
+    assert emb[0].shapes[0] == (1, S, 4096)

@@ -6,10 +6,9 @@ import warnings
 import pytest
 
 from autosp.costmodel.interp import AlphaBeta, LogLogTable, monotone
-from autosp.costmodel.predict import predict
-from autosp.costmodel.profile import load_profile, shipped_profiles
+from autosp.costmodel import load_profile, predict, shipped_profiles
 from autosp.errors import AutospError
-from autosp.planner import capture
+from autosp.graph import capture
 
 
 def test_monotone_and_loglog_interpolation():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autosp.validation import measured_single, predicted
+from autosp.tools.validation import measured_single, predicted
 
 
 def test_single_device_step_memory_and_time():

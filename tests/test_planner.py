@@ -7,7 +7,7 @@ import pytest
 
 from autosp.cli import main
 from autosp.errors import AutospError
-from autosp.planner import capture
+from autosp.graph import capture
 from autosp.planner.ilp import Candidate, Option, enumerate_all, integer_objective, solve
 from autosp.planner.plan import Plan
 from autosp.planner.search import plan
@@ -49,7 +49,7 @@ def tiny6():
 
 class _Source:
     def __new__(cls, cfg):
-        from autosp.catalog import ModelSource
+        from autosp.graph.catalog import ModelSource
 
         return ModelSource("tiny6", hf_config=cfg)
 
@@ -76,6 +76,7 @@ def test_plan_file_roundtrip_and_refusals(tiny6, tmp_path):
     p.save(str(path))
     q = Plan.load(str(path))
     assert q == p and sum(layer["count"] for layer in q.layers) == len(q.strategy_per_layer()) == 2
+    assert all(layer["ulysses_degree"] * layer["ring_degree"] == q.sp_degree for layer in q.layers)
     q.check(fingerprint=p.fingerprint, world_size=4, seq_len=4096)
     with pytest.raises(AutospError, match="for 4 devices but the job runs on 8"):
         q.check(world_size=8)

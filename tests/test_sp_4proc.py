@@ -18,7 +18,7 @@ def pool():
                                       ("reference", dict(heads=4, kv=2)),
                                       ("gpt2", dict(heads=4))])
 def test_ulysses_matches_single_device(pool, kind, cfg):
-    check_exact(run_ok(pool, "train_compare", kind=kind, **cfg))
+    check_exact(run_ok(pool, "train_compare", kind=kind, **cfg), ["ulysses"] * 2)
 
 
 def test_uneven_labels_and_length_not_divisible(pool):
@@ -39,17 +39,20 @@ def test_heads_that_ulysses_cannot_split(pool):
 @pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"])
 @pytest.mark.parametrize("kind", ["llama", "reference"])
 def test_other_strategies_match_single_device(pool, strategy, kind):
-    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2))
+    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2), [strategy] * 2)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid:2x2", "auto"])
 def test_more_ranks_than_heads(pool, strategy):
-    # 2 query heads, 1 KV head, 4 ranks: Ulysses cannot split them; ring and hybrid can.
-    check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, heads=2, kv=1, seq_len=30))
+    # 2 query heads, 1 KV head, 4 ranks: Ulysses cannot split them; ring and hybrid can ("auto": ring).
+    ran = "ring" if strategy == "auto" else strategy
+    check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, heads=2, kv=1, seq_len=30),
+                [ran] * 2)
 
 
 def test_mixed_per_layer_plan(pool):
-    check_exact(run_ok(pool, "train_compare", kind="reference", strategy=["allgather_kv", "hybrid:2x2"]))
+    check_exact(run_ok(pool, "train_compare", kind="reference", strategy=["allgather_kv", "hybrid:2x2"]),
+                ["allgather_kv", "hybrid:2x2"])
 
 
 def test_ring_memory_grows_as_s_over_p(pool):

@@ -1,5 +1,10 @@
-"""Cost model: what each op costs (FLOPs, bytes) and, later, how long it takes on a profile."""
+"""Stage 2: hardware profiles (tables), op and collective time, overlap, memory accounting.
 
-from autosp.costmodel.flops import OpKind, classify, op_flops
+Reads the typed OpGraph (:mod:`autosp.graph`) and the strategies' cost declarations
+(:mod:`autosp.strategies`); imports neither the planner nor the transform.
+"""
 
-__all__ = ["OpKind", "classify", "op_flops"]
+from autosp.costmodel.predict import Prediction, predict
+from autosp.costmodel.profile import HardwareProfile, load_profile, shipped_profiles
+
+__all__ = ["HardwareProfile", "Prediction", "load_profile", "predict", "shipped_profiles"]

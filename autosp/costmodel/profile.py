@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from autosp.costmodel.flops import attention_flops
+from autosp.graph.ops import attention_flops
 from autosp.costmodel.interp import AlphaBeta, LogLogTable
 from autosp.errors import AutospError
 
 SCHEMA = "autosp.profile/1"
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv")
-# Bytes each rank moves, relative to its buffer, in the bandwidth-optimal algorithm:
-# used to carry a table measured at one group size over to another.
-_ALGO_FACTOR = {
+# Bytes each rank moves per byte of its buffer in the bandwidth-optimal algorithm (the
+# bus-bandwidth convention of nccl-tests): carries a table measured at one group size over
+# to another, and builds the published profiles.
+BYTES_MOVED = {
     "all_to_all": lambda p: (p - 1) / p,
     "all_gather": lambda p: (p - 1),          # buffer = one shard
     "reduce_scatter": lambda p: (p - 1) / p,  # buffer = the full input
@@ -98,7 +99,7 @@ class HardwareProfile:
         return self._dtype_table("matmul", dtype)(flops) if flops > 0 else 0.0
 
     def attention_time(self, flops: float, dtype: str, backward: bool = False) -> float:
-        """Fused attention; ``flops`` in the convention of autosp.costmodel.flops (causal halved)."""
+        """Fused attention; ``flops`` in the convention of autosp.graph.ops (causal halved)."""
         if flops <= 0:
             return 0.0
         if backward and self.data["compute"].get("attention_backward"):
@@ -134,6 +135,18 @@ class HardwareProfile:
             self._tables[key] = LogLogTable(pts, f"{self.name}:{key}")
         return self._tables[key](area) * target / h0 * head_dim / d0
 
+    def peak_flops(self, dtype: str) -> float:
+        """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
+        efficiency."""
+        cited = self.source.get("peak_flops")
+        if cited:
+            return float(cited)
+        tables = self.data["compute"]["matmul"]
+        rows = tables.get(dtype) or next(iter(tables.values()))
+        eff = self.source.get("assumptions", {}).get("efficiency", {}).get("matmul")
+        best = max(_row_flops("matmul", r) / r["seconds"] for r in rows)
+        return best / eff if eff else best
+
     def memory_bound_time(self, nbytes: float) -> float:
         rows = _get(self.data, self.path, "compute.memory_bound")
         return self._table("compute.memory_bound", [(r["bytes"], r["seconds"]) for r in rows])(nbytes)
@@ -156,7 +169,7 @@ class HardwareProfile:
             pts = [(r["bytes"], r["seconds"]) for r in by_size[str(p0)]]
             self._tables[key] = (LogLogTable(pts, f"{self.name}:{key}"), AlphaBeta.fit(pts))
         table, fit = self._tables[key]
-        scale = _ALGO_FACTOR[name](group_size) / _ALGO_FACTOR[name](p0)
+        scale = BYTES_MOVED[name](group_size) / BYTES_MOVED[name](p0)
         scaled = nbytes * scale
         largest = table.points[-1][0]
         return fit(scaled) if scaled > largest else table(scaled)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import statistics
 import time
 from typing import Any, Callable
 
@@ -24,22 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autosp.costmodel.profile import SCHEMA
+from autosp.tools.launch import median_time
 
 
 def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    if time.perf_counter() - t0 > 0.5:       # long points: fewer repeats keep the run bounded
-        repeats = min(repeats, 3)
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats, barrier=sync, sync=sync, warmup=True)
 
 
 def _grids(quick: bool, cuda: bool) -> dict[str, list]:

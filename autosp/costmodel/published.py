@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from autosp.costmodel.profile import SCHEMA
+from autosp.costmodel.profile import BYTES_MOVED, SCHEMA
 
 GPUS = {
     "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=80e9, nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM"),
@@ -32,12 +32,6 @@ GPUS = {
 IB = 48e9
 EFF = dict(matmul=0.75, attention=0.55, attention_backward=0.45, memory=0.80)
 FLOOR, LAT_INTRA, LAT_INTER = 5e-6, 10e-6, 20e-6
-
-# bytes each rank moves per byte of its buffer (bus-bandwidth convention of nccl-tests)
-_MOVED = {"all_to_all": lambda p: (p - 1) / p, "all_gather": lambda p: p - 1,
-          "reduce_scatter": lambda p: (p - 1) / p, "all_reduce": lambda p: 2 * (p - 1) / p,
-          "send_recv": lambda p: 1.0}
-
 
 def build(name: str) -> dict:
     g = GPUS[name]
@@ -55,7 +49,7 @@ def build(name: str) -> dict:
     }
     coll: dict = {}
     sizes = [2.0 ** e for e in range(12, 35, 2)]
-    for op, moved in _MOVED.items():
+    for op, moved in BYTES_MOVED.items():
         bw = g["nvls"] if op == "all_reduce" else g["nvlink"]
         intra = {str(p): [dict(bytes=b, seconds=LAT_INTRA + b * moved(p) / bw) for b in sizes] for p in (2, 4, 8)}
         inter = {str(p): [dict(bytes=b, seconds=LAT_INTER + b * moved(p) / IB) for b in sizes]

@@ -1,6 +1,1 @@
-"""Planner: graph capture, strategy space, ILP, plans, reports."""
-
-from autosp.planner.capture import capture
-from autosp.planner.opgraph import S, LayerClass, OpGraph
-
-__all__ = ["capture", "OpGraph", "LayerClass", "S"]
+"""Stage 3: candidate meshes, the ILP (OR-Tools CP-SAT), the Plan document, reports."""

@@ -12,7 +12,7 @@ import html
 import io
 
 from autosp.planner.plan import Plan
-from autosp.planner.report import human
+from autosp.planner.report import human, layer_choices
 
 
 def _png(fig) -> str:
@@ -22,8 +22,8 @@ def _png(fig) -> str:
 
 
 def _label(a: dict) -> str:
-    (choice,) = list(a["layers"].values())[:1]
-    return f"SP{a['sp']} {a['layout'][:3]} {choice['strategy']} ck:{choice['checkpoint'][:3]}"
+    choices = " | ".join(f"{c['strategy']} ck:{c['checkpoint'][:3]}" for c in a["layers"].values())
+    return f"SP{a['sp']} {a['layout'][:3]} {choices}"
 
 
 def figures(plan: Plan) -> list[tuple[str, str]]:
@@ -78,17 +78,23 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
 def write_html(plan: Plan, path: str) -> None:
     pr = plan.predicted
     rows = "".join(f"<tr><td>{html.escape(layer['class'])} x{layer['count']}</td><td>{layer['strategy']}</td>"
+                   f"<td>{layer['ulysses_degree']} x {layer['ring_degree']}</td>"
                    f"<td>{layer['checkpoint']}</td></tr>" for layer in plan.layers)
+    alt_rows = "".join(f"<tr><td>{a['sp']}</td><td>{a['layout']}</td><td>{html.escape(layer_choices(a))}</td>"
+                       f"<td>{a['total_s']:.3f}</td><td>{human(a['peak_bytes'], 'B')}</td></tr>"
+                       for a in plan.alternatives)
     imgs = "".join(f"<h3>{html.escape(t)}</h3><img src='data:image/png;base64,{b}'/>" for t, b in figures(plan))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>autosp plan: {html.escape(plan.model)}</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em}}</style></head><body>
 <h1>{html.escape(plan.model)}: {plan.seq_len} tokens on {plan.world_size} devices</h1>
 <p>Profile <b>{html.escape(plan.profile)}</b>, {plan.devices_per_node} devices per node, ZeRO stage {plan.zero_stage}.
-SP x DP = <b>{plan.sp_degree} x {plan.dp_degree}</b>, Ulysses x ring = {plan.ulysses_degree} x {plan.ring_degree},
-token layout <b>{plan.layout}</b>.</p>
-<table border=1><tr><th>layers</th><th>attention</th><th>checkpointing</th></tr>{rows}</table>
+SP x DP = <b>{plan.sp_degree} x {plan.dp_degree}</b>, token layout <b>{plan.layout}</b>.</p>
+<table border=1><tr><th>layers</th><th>attention</th><th>Ulysses x ring</th><th>checkpointing</th></tr>{rows}</table>
 <p>Predicted step {pr['total_s']:.3f} s (compute {pr['compute_s']:.3f} s, exposed communication
 {pr['exposed_comm_s']:.3f} s), peak {human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')},
-{pr['tokens_per_s_per_device']:.0f} tokens/s per device, MFU {pr['mfu']:.1%}.</p>{imgs}</body></html>"""
+{pr['tokens_per_s_per_device']:.0f} tokens/s per device, MFU {pr['mfu']:.1%}.</p>
+<h3>Runner-ups (from the solver)</h3>
+<table border=1><tr><th>SP</th><th>layout</th><th>layers</th><th>step (s)</th><th>peak</th></tr>{alt_rows}</table>
+{imgs}</body></html>"""
     with open(path, "w") as f:
         f.write(doc)

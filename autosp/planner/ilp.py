@@ -27,6 +27,11 @@ loss, gradient reduction, parameters and optimizer states) and T_{g,c,o} /
 M_{g,c,o} the time / activation memory of all ``count_c`` layers of class c.
 Costs come from :mod:`autosp.costmodel.predict`, scaled to integers
 (microseconds, KiB) because CP-SAT is an integer solver.
+
+Runner-ups come from the solver too: after each optimum, a no-good cut
+  sum_{l in L*} l <= |L*| - 1     (L* = the chosen x_g and y_{g,c,o})
+excludes exactly that assignment and the model is solved again; the k-th solve
+is the k-th best plan. Nothing enumerates the space (brute force lives in tests).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Option:
     key: Hashable              # e.g. ("ring", "none")
     time_s: float
     mem_bytes: float
+    exposed_s: float = 0.0     # the part of time_s that is exposed communication (for reports)
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Candidate:
     key: Hashable              # the mesh g
     base_time_s: float
     base_mem_bytes: float
+    base_exposed_s: float = 0.0
     options: dict[Hashable, list[Option]] = field(default_factory=dict)   # class -> options
 
 
@@ -70,6 +77,13 @@ def _mem_kib(b: float) -> int:
 
 def solve(cands: list[Candidate], memory_limit: float, time_limit_s: float = 10.0) -> Solution | None:
     """Optimal plan under the memory limit, or None when nothing fits."""
+    best = solve_k_best(cands, memory_limit, 1, time_limit_s)
+    return best[0] if best else None
+
+
+def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
+                 time_limit_s: float = 10.0) -> list[Solution]:
+    """The ``k`` best plans under the memory limit, best first (fewer when fewer fit)."""
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
@@ -91,26 +105,33 @@ def solve(cands: list[Candidate], memory_limit: float, time_limit_s: float = 10.
     m.AddExactlyOne(x.values())
     m.Add(sum(mem_terms) <= _mem_kib(memory_limit))
     m.Minimize(sum(time_terms))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 2
-    status = solver.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    mesh = next(k for k, v in x.items() if solver.Value(v))
-    choice, t, mem = {}, 0.0, 0.0
-    g = next(c for c in cands if c.key == mesh)
-    t, mem = g.base_time_s, g.base_mem_bytes
-    for (gk, c, ok), (v, o) in y.items():
-        if gk == mesh and solver.Value(v):
-            choice[c] = ok
-            t += o.time_s
-            mem += o.mem_bytes
-    return Solution(mesh, choice, t, mem, "optimal" if status == cp_model.OPTIMAL else "feasible")
+    out: list[Solution] = []
+    for _ in range(k):
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = 2
+        status = solver.Solve(m)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break
+        mesh = next(key for key, v in x.items() if solver.Value(v))
+        g = next(c for c in cands if c.key == mesh)
+        sol = Solution(mesh, {}, g.base_time_s, g.base_mem_bytes,
+                       "optimal" if status == cp_model.OPTIMAL else "feasible")
+        chosen = [x[mesh]]
+        for (gk, c, ok), (v, o) in y.items():
+            if gk == mesh and solver.Value(v):
+                sol.choice[c] = ok
+                sol.time_s += o.time_s
+                sol.mem_bytes += o.mem_bytes
+                chosen.append(v)
+        out.append(sol)
+        m.Add(sum(chosen) <= len(chosen) - 1)          # no-good cut: never this assignment again
+    return out
 
 
 def enumerate_all(cands: list[Candidate], memory_limit: float | None = None) -> list[Solution]:
-    """Every complete assignment with its cost (the brute force the ILP is checked against)."""
+    """Every complete assignment with its cost: the brute force the tests check the ILP against
+    (exponential in layer classes; the planner never calls it)."""
     out = []
     for g in cands:
         classes = list(g.options)

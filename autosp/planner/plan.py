@@ -1,8 +1,8 @@
 """``Plan``: the planner's answer as a versioned JSON document.
 
-A plan names the model (by a structural fingerprint), the world layout (SP x DP,
-Ulysses x ring), the token layout, per layer class the attention strategy and
-activation checkpointing, the predicted step time and memory, and the runner-up
+A plan names the model (by a structural fingerprint), the world layout (SP x DP),
+the token layout, per layer class the attention strategy (with its Ulysses x ring
+grid) and activation checkpointing, the predicted step time and memory, and the runner-up
 alternatives with their predictions. ``check`` refuses a plan made for another
 model, world size or sequence length.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from autosp.errors import AutospError
 
-SCHEMA = "autosp.plan/1"
+SCHEMA = "autosp.plan/2"     # 2: the Ulysses x ring grid is per layer class, not global
 
 
 def model_fingerprint(graph) -> str:
@@ -36,10 +36,9 @@ class Plan:
     devices_per_node: int
     sp_degree: int
     dp_degree: int
-    ulysses_degree: int
-    ring_degree: int
     layout: str
-    layers: list[dict[str, Any]]              # per layer class: class, count, strategy, checkpoint
+    # per layer class: class, fingerprint, count, strategy, checkpoint, ulysses_degree, ring_degree
+    layers: list[dict[str, Any]]
     predicted: dict[str, Any]                 # compute_s, exposed_comm_s, total_s, memory, ...
     profile: str
     memory_limit_bytes: float

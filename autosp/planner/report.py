@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.planner.opgraph import OpGraph
+from autosp.graph import OpGraph
 
 
 def human(n: float, unit: str = "") -> str:
@@ -55,6 +55,11 @@ def inspect_table(g: OpGraph):  # -> rich.table.Table
     return t
 
 
+def layer_choices(alternative: dict[str, Any]) -> str:
+    """Every layer class's strategy and checkpointing of a plan summary, in one cell."""
+    return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}" for c in alternative["layers"].values())
+
+
 def plan_table(plan) -> list:  # -> list of rich renderables
     """The chosen plan, why, and the runner-ups side by side."""
     from rich.table import Table
@@ -65,10 +70,11 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_column("decision")
     head.add_column("value", justify="right")
     head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")
-    head.add_row("Ulysses x ring", f"{plan.ulysses_degree} x {plan.ring_degree}")
     head.add_row("token layout", plan.layout)
     for layer in plan.layers:
-        head.add_row(f"{layer['class']} x{layer['count']}", f"{layer['strategy']}, checkpoint {layer['checkpoint']}")
+        head.add_row(f"{layer['class']} x{layer['count']}",
+                     f"{layer['strategy']} (Ulysses {layer['ulysses_degree']} x ring {layer['ring_degree']}), "
+                     f"checkpoint {layer['checkpoint']}")
     head.add_section()
     head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
                               f"{pr['exposed_comm_s']:.3f})")
@@ -77,12 +83,11 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
     head.add_row("tokens/s per device, MFU", f"{pr['tokens_per_s_per_device']:.0f}, {pr['mfu']:.1%}")
     head.add_row("solver", f"{plan.solver.get('status')} in {plan.solver.get('solve_s', 0):.2f} s "
-                           f"({plan.solver.get('variables')} variables)")
-    alts = Table(title="runner-ups")
-    for col in ("SP", "layout", "strategy", "checkpoint", "step (s)", "vs chosen", "peak memory"):
-        alts.add_column(col, justify="right")
+                           f"({plan.solver.get('variables')} variables, {plan.solver.get('solves', 1)} solves)")
+    alts = Table(title="runner-ups (from the solver)")
+    for col in ("SP", "layout", "layers", "step (s)", "vs chosen", "peak memory"):
+        alts.add_column(col, justify="left" if col == "layers" else "right")
     for a in plan.alternatives:
-        (choice,) = list(a["layers"].values())[:1]
-        alts.add_row(str(a["sp"]), a["layout"], choice["strategy"], choice["checkpoint"], f"{a['total_s']:.3f}",
+        alts.add_row(str(a["sp"]), a["layout"], layer_choices(a), f"{a['total_s']:.3f}",
                      f"{a['total_s'] / pr['total_s']:.2f}x", human(a["peak_bytes"], "B"))
     return [head, alts]

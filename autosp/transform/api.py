@@ -13,9 +13,10 @@ SP group, and trim padded outputs back. The graph rewrite itself lives in
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autosp.errors import AutospError
-from autosp.hf_compat import unpacked_positions
-from autosp.transform.attention import STRATEGIES as _ATTENTION_STRATEGIES
+from autosp.graph.hf_compat import is_hf_model, unpacked_positions
+from autosp.strategies import AUTO, check_spec, required_layout, resolve
+from autosp.strategies.layout import check_layout, n_chunks
 from autosp.transform.backend import BackendState, SPConfig, make_backend
-from autosp.transform.layout import LAYOUTS, n_chunks
 
-STRATEGIES = ("auto",) + tuple(st for st in _ATTENTION_STRATEGIES if st != "hybrid")
 _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
@@ -39,10 +39,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
     ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"``, ``"hybrid:UxR"`` (Ulysses degree U
-    inside groups of consecutive ranks, ring degree R across), or a list with one of these
-    per attention layer (mixed plans; at most one hybrid shape).
+    inside groups of consecutive ranks, ring degree R across), any strategy registered
+    with :func:`autosp.strategies.register`, or a list with one per attention layer.
     ``layout``: ``"contiguous"`` or ``"zigzag"`` token layout for every sharded tensor
-    (default: zigzag when a layer uses ``zigzag_ring``, else contiguous).
+    (default: the layout a named strategy needs, e.g. zigzag for ``zigzag_ring``, else contiguous).
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
     data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP.
     ``gather_outputs``: sequence-sharded outputs (logits) come back all-gathered (True), as
@@ -70,8 +70,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
                           "off; memory will exceed the plan's prediction otherwise", stacklevel=2)
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
-        if st not in STRATEGIES and not st.startswith("hybrid:"):
-            raise AutospError(f"unknown strategy '{st}'; use one of {', '.join(STRATEGIES)} or 'hybrid:UxR'")
+        check_spec(st)
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1) or group is not None:
             raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
@@ -83,15 +82,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         group = _sp_group(sp_size)
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
-    wants_zigzag = "zigzag_ring" in strategies
-    if layout is None:
-        layout = "zigzag" if wants_zigzag else "contiguous"
-    if layout not in LAYOUTS:
-        raise AutospError(f"unknown layout '{layout}'; use 'contiguous' or 'zigzag'")
-    if wants_zigzag and layout != "zigzag":
-        raise AutospError("strategy 'zigzag_ring' needs layout='zigzag' (the layout is one global choice)")
+    layout = _layout_for(strategies, layout)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs)
-    _hybrid_groups(config, strategies)
+    _set_up(config, strategies)
     sp = SequenceParallel(model, config, reduce_grads)
     sp.plan = the_plan
     sp.plan_provider = provider
@@ -110,31 +103,25 @@ def _load_plan(plan: Any) -> Any:
     raise AutospError(f"plan must be a Plan or the path of a plan JSON, not {type(plan).__name__}")
 
 
-def _hybrid_groups(config: SPConfig, strategies: list[str]) -> None:
-    """Create the Ulysses (consecutive ranks) and ring groups of a ``hybrid:UxR`` strategy."""
-    shapes = {st for st in strategies if st.startswith("hybrid")}
-    if not shapes:
-        return
-    if len(shapes) > 1:
-        raise AutospError(f"one hybrid shape per model, got {sorted(shapes)}")
-    (shape,) = shapes
-    world = dist.get_world_size(config.group)
-    try:
-        u, r = (int(x) for x in shape.split(":", 1)[1].lower().split("x"))
-    except ValueError:
-        raise AutospError(f"bad hybrid strategy '{shape}'; write hybrid:UxR, e.g. hybrid:2x2") from None
-    if u * r != world or u < 1 or r < 1:
-        raise AutospError(f"'{shape}' needs U x R = {u * r} ranks but the SP group has {world}; "
-                          f"pick U x R = {world}")
-    ranks = dist.get_process_group_ranks(config.group)
-    for g in range(r):       # every rank must create every group, in the same order
-        pg = dist.new_group([ranks[g * u + j] for j in range(u)])
-        if dist.get_rank(config.group) // u == g:
-            config.ulysses_group = pg
-    for j in range(u):
-        pg = dist.new_group([ranks[g * u + j] for g in range(r)])
-        if dist.get_rank(config.group) % u == j:
-            config.ring_group = pg
+def _layout_for(strategies: list[str], layout: str | None) -> str:
+    """The global token layout: the one the named strategies need, checked against ``layout``."""
+    need = required_layout([resolve(st) for st in strategies if st != AUTO])
+    if layout is None:
+        return need or "contiguous"
+    check_layout(layout)
+    if need is not None and layout != need:
+        raise AutospError(f"strategies {', '.join(strategies)} need layout='{need}' (the layout is one global "
+                          f"choice), not '{layout}'")
+    return layout
+
+
+def _set_up(config: SPConfig, strategies: list[str]) -> None:
+    """Each named strategy's runtime arguments (and process groups), on every rank in the same order."""
+    for st in dict.fromkeys(strategies):
+        if st != AUTO:
+            strat = resolve(st)
+            if strat.spec not in config.runtime:
+                config.runtime[strat.spec] = strat.setup(config.group)
 
 
 def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
@@ -166,13 +153,25 @@ class SequenceParallel(nn.Module):
         object.__setattr__(self, "_compiled",
                            torch.compile(module, backend=make_backend(config, self.state), dynamic=True))
         self._signature = inspect.signature(module.forward)
-        self._is_hf = hasattr(module, "config") and hasattr(module.config, "model_type")
+        self._is_hf = is_hf_model(module)
         self._checked = False
         self.plan = None             # the Plan applied, if any
         self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
         self._hooks = [p.register_hook(self._reduce_grad) for p in module.parameters()
                        if p.requires_grad] if reduce_grads and self.sp_degree > 1 else []
+
+    @contextlib.contextmanager
+    def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
+        """Within this block, every compiled graph of this model runs inside ``hook()``.
+
+        How measurement tools (the memory probe) see inside compiled code; the runtime
+        itself installs none."""
+        self.state.graph_hooks.append(hook)
+        try:
+            yield
+        finally:
+            self.state.graph_hooks.remove(hook)
 
     def _reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
         # Each rank back-propagated its own tokens: the sum over the SP group is the full gradient.
@@ -217,9 +216,9 @@ class SequenceParallel(nn.Module):
             self.plan_provider = None
             return
         strategies = plan.strategy_per_layer()
-        self.config.strategy, self.config.layout = strategies, plan.layout
+        self.config.strategy, self.config.layout = strategies, _layout_for(strategies, plan.layout)
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
-        _hybrid_groups(self.config, strategies)
+        _set_up(self.config, strategies)
         self.plan = plan
 
     def _sequence_length(self, named: dict[str, Any]) -> int:

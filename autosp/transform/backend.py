@@ -7,16 +7,16 @@ backend="autosp", dynamic=True)`` uses the default process group and Ulysses.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autosp.costmodel.memory_probe import armed_probe
 from autosp.errors import AutospError
-from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, shard_graph, _where
+from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 
 
 @dataclass
@@ -25,6 +25,14 @@ class BackendState:
 
     reports: list[ShardReport] = field(default_factory=list)
     eager_attention: list[str] = field(default_factory=list)
+    # Entered around every run of a compiled graph: how measurement tools (the memory probe)
+    # see inside compiled code, which runs no Python dispatch mode entered outside it.
+    graph_hooks: list[Callable[[], ContextManager]] = field(default_factory=list)
+
+    @property
+    def strategies(self) -> list[str]:
+        """The strategy spec that ran, per attention op, in execution order."""
+        return [st for r in self.reports for st in r.strategies]
 
     @property
     def attention_ops(self) -> int:
@@ -60,17 +68,16 @@ class SPConfig:
     strategy: str | list[str] = "auto"
     layout: str = "contiguous"
     gather_outputs: bool | None = None
-    ulysses_group: dist.ProcessGroup | None = None
-    ring_group: dist.ProcessGroup | None = None
+    runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
 
 
-def _probed(fn: Callable) -> Callable:
-    """Run ``fn`` under an armed memory probe, if any (see autosp.costmodel.memory_probe)."""
+def _with_hooks(fn: Callable, state: BackendState) -> Callable:
     def run(*args: Any) -> Any:
-        probe = armed_probe()
-        if probe is None:
+        if not state.graph_hooks:
             return fn(*args)
-        with probe:
+        with contextlib.ExitStack() as stack:
+            for hook in state.graph_hooks:
+                stack.enter_context(hook())
             return fn(*args)
 
     return run
@@ -84,14 +91,11 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         ctx = ShardContext(
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
             strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
-            ulysses_group=config.ulysses_group.group_name if config.ulysses_group else None,
-            ring_group=config.ring_group.group_name if config.ring_group else None,
-            ring_size=dist.get_world_size(config.ring_group) if config.ring_group else 1,
-            attention_offset=state.attention_ops)
+            runtime=config.runtime, attention_offset=state.attention_ops)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         state.reports.append(shard_graph(gm, example_inputs, ctx))
-        return _probed(gm.forward)
+        return _with_hooks(gm.forward, state)
 
     backend.state = state  # type: ignore[attr-defined]
     return backend

@@ -3,7 +3,7 @@
 A mean over tokens is ``global sum / global count``: right when ranks hold
 different numbers of ignored (-100) labels, where a mean of per-rank means
 is not. Sums travel through :func:`all_reduce_sum`, whose backward is the
-identity (see :mod:`autosp.transform.collectives`).
+identity (see :mod:`autosp.strategies.collectives`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autosp.transform.collectives import all_reduce_sum
+from autosp.strategies.collectives import all_reduce_sum
 
 
 def sharded_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,

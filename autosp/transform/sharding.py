@@ -1,5 +1,8 @@
 """The sequence-sharding pass over a Dynamo (Torch IR) graph.
 
+(Over 400 lines: one pass, whose propagation rules and the checks that refuse unsafe
+ops read and write the same per-node placement state.)
+
 Placements (DTensor's vocabulary, restricted to what SP needs):
   R         replicated: every rank holds the whole tensor (inputs, parameters,
             positions and masks built from them)
@@ -7,7 +10,8 @@ Placements (DTensor's vocabulary, restricted to what SP needs):
             expression holds the symbolic sequence length)
 
 Propagation, in graph order:
-  * ``scaled_dot_product_attention``  -> the chosen attention strategy; q,k,v S
+  * ``scaled_dot_product_attention``  -> the chosen attention strategy's runtime
+                                         (:mod:`autosp.strategies`); q,k,v S
   * ``F.cross_entropy`` on S logits   -> global token-weighted loss (R)
   * ``.sum()/.mean()`` of an S tensor -> global sum / mean (R)
   * any other op with an S input, or one that meets a *parameter* and a tensor
@@ -40,9 +44,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autosp.errors import AutospError
-from autosp.transform.attention import (allgather_kv_attention, check_ulysses_heads, hybrid_attention,
-                                        ring_attention_sp, ulysses_attention)
-from autosp.transform.layout import gather_seq, slice_seq
+from autosp.strategies import AttentionShape, SPMesh, pick
+from autosp.strategies.collectives import resolve_group
+from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -62,13 +66,12 @@ class ShardContext:
     group_name: str
     world: int
     rank: int
-    # one strategy for every attention op, or one per attention op in execution order
-    strategy: str | list[str] = "ulysses"
+    # one strategy spec for every attention op, or one per attention op in execution order
+    strategy: str | list[str] = "auto"
     layout: str = "contiguous"
-    ulysses_group: str | None = None      # hybrid only: groups of u consecutive ranks
-    ring_group: str | None = None         # hybrid only: ranks with the same place in their group
+    # runtime keyword arguments per strategy spec (process groups), from Strategy.setup
+    runtime: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention_offset: int = 0             # attention ops seen in earlier graphs
-    ring_size: int = 1                    # hybrid only: the r of u x r
     # all-gather sharded graph outputs: True, False, or None = only in graphs that compute no
     # loss (a loss after a graph break needs full logits; a 128k x 128k-vocab logits tensor
     # gathered next to the loss would cost every rank the memory SP exists to save)
@@ -77,13 +80,12 @@ class ShardContext:
 
 @dataclass
 class ShardReport:
+    """What the pass did to one graph (read by the wrapper and the tests)."""
+
     attention: int = 0
-    sharded_ops: int = 0
-    sliced_inputs: list[str] = field(default_factory=list)
-    gathered_outputs: int = 0
     unmasked_noncausal: bool = False
     global_reductions: int = 0
-    strategies: list[str] = field(default_factory=list)
+    strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     local_outputs: int = 0
 
 
@@ -219,7 +221,6 @@ class Sharder:
             self._replace_input(n, a, self._slice(a))
         self._localize_shape_args(n)
         self.place[n] = out_dims
-        self.report.sharded_ops += 1
 
     def _out_dims(self, n: fx.Node, v: Any) -> tuple[int, ...] | None:
         if isinstance(v, torch.Tensor):
@@ -247,32 +248,23 @@ class Sharder:
         if mask is None and not is_causal:
             self.report.unmasked_noncausal = True
         qv, kv = _val(q), _val(k)
-        strategy = self._strategy_for(self.ctx.attention_offset + self.report.attention)
-        where = f"attention {self.ctx.attention_offset + self.report.attention} at {_where(n)}"
-        extra: dict[str, Any] = {"group_name": self.ctx.group_name, "layout": self.ctx.layout}
-        if strategy == "auto":
-            strategy = "ulysses" if qv.shape[-3] % self.ctx.world == 0 else "ring"
-        if strategy == "ulysses":
-            check_ulysses_heads(qv.shape[-3], kv.shape[-3], self.ctx.world, where)
-            n.target = ulysses_attention
-        elif strategy in ("ring", "zigzag_ring"):
-            n.target = ring_attention_sp
-        elif strategy == "allgather_kv":
-            n.target = allgather_kv_attention
-        elif strategy.startswith("hybrid"):
-            u = self.ctx.world // self.ctx.ring_size
-            check_ulysses_heads(qv.shape[-3], kv.shape[-3], u, where + f" (Ulysses degree {u} of the hybrid)")
-            n.target = hybrid_attention
-            extra.update(ulysses_group=self.ctx.ulysses_group, ring_group=self.ctx.ring_group)
-        else:
-            raise AutospError(f"unknown attention strategy '{strategy}' for {where}")
-        if mask is not None and strategy != "ulysses":
-            raise AutospError(f"{where} has an explicit attention mask, which strategy '{strategy}' does not take; "
-                              "use 'ulysses' for this layer or drop the padding mask")
-        n.kwargs = {**n.kwargs, **extra}
+        index = self.ctx.attention_offset + self.report.attention
+        where = f"attention {index} at {_where(n)}"
+        shape = AttentionShape(heads=int(qv.shape[-3]), kv_heads=int(kv.shape[-3]), causal=bool(is_causal),
+                               masked=mask is not None)
+        mesh = SPMesh(self.ctx.world, self.ctx.layout)
+        strat = pick(self._strategy_for(index), shape, mesh)
+        reason = strat.illegal(shape, mesh)
+        if reason:
+            raise AutospError(f"{where} {reason}")
+        runtime = self.ctx.runtime.get(strat.spec)
+        if runtime is None:   # picked by "auto": compile prepared only named strategies (auto needs no sub-groups)
+            runtime = self.ctx.runtime[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
+        n.target = strat.attention_fn
+        n.kwargs = {**n.kwargs, **runtime, "layout": self.ctx.layout}
         self.place[n] = (qv.dim() - 2,)
         self.report.attention += 1
-        self.report.strategies.append(strategy)
+        self.report.strategies.append(strat.spec)
 
     def _strategy_for(self, index: int) -> str:
         st = self.ctx.strategy
@@ -291,7 +283,6 @@ class Sharder:
         n.kwargs = {**n.kwargs, "group_name": self.ctx.group_name}
         reduction = n.kwargs.get("reduction", n.args[6] if len(n.args) > 6 else "mean")
         self.place[n] = self.seq_dims(_val(n)) or None if reduction == "none" else None
-        self.report.sharded_ops += 1
         self.report.global_reductions += reduction != "none"
 
     def _is_full_reduction(self, n: fx.Node) -> bool:
@@ -374,8 +365,6 @@ class Sharder:
             s.meta = dict(a.meta)
             self.place[s] = dims
             self.slices[key] = s
-            if a.op == "placeholder":
-                self.report.sliced_inputs.append(a.name)
         return self.slices[key]
 
     def _last_placeholder(self) -> fx.Node:
@@ -426,7 +415,6 @@ class Sharder:
                 with self.graph.inserting_before(out):
                     g = self.graph.call_function(gather_seq, (x, dims[0], self.full_len, self.ctx.world,
                                                               self.ctx.group_name, self.ctx.layout))
-                self.report.gathered_outputs += 1
                 return g
             if isinstance(x, (tuple, list)):
                 return type(x)(fix(y) for y in x)

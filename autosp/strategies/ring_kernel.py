@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from autosp.transform.blockwise import acc_dtype, attend_backward, attend_forward, new_accumulator
-from autosp.transform.collectives import resolve_group
+from autosp.strategies.blockwise import (acc_dtype, attend_backward, attend_forward, new_accumulator,
+                                        register_blockwise)
+from autosp.strategies.collectives import resolve_group
 
 
 def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
@@ -63,16 +64,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causa
     return ring_forward(q, k, v, all_chunks, causal, scale, resolve_group(group_name))
 
 
-@ring_attention.register_fake
-def _(q, k, v, all_chunks, causal, scale, group_name):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
-
-
-def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ctx.all_chunks, ctx.causal, ctx.scale, ctx.group_name = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1])
-
-
 def _ring_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = ring_backward(dout, q, k, v, out, lse, ctx.all_chunks, ctx.causal, ctx.scale,
@@ -106,4 +97,4 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)
+register_blockwise(ring_attention, ("all_chunks", "causal", "scale", "group_name"), _ring_backward)

@@ -2,7 +2,7 @@
 
 FLOPs are counted for the tensor-core work only: matmuls and attention. One
 multiply-add is 2 FLOPs. Pointwise, norm and loss ops are costed by the bytes
-they move (see :mod:`autosp.planner.opgraph`).
+they move (see :mod:`autosp.graph.opgraph`).
 
 Attention convention (written down because peers differ):
   forward  = 4 * B * H * Lq * Lk * D      (QK^T and PV, 2 FLOPs per MAC)
@@ -59,33 +59,24 @@ def op_name(target: Any) -> str:
     return name.split(".")[0]
 
 
+# Lowest priority first: a name in two sets takes the later kind.
+_KIND_OF = {name: kind for kind, ops in ((OpKind.CREATION, _CREATION_OPS), (OpKind.REDUCTION, _REDUCTION_OPS),
+                                         (OpKind.EMBEDDING, _EMBEDDING_OPS), (OpKind.LOSS, _LOSS_OPS),
+                                         (OpKind.NORM, _NORM_OPS), (OpKind.VIEW, _VIEW_OPS | {"getitem"}),
+                                         (OpKind.MATMUL, _MATMUL_OPS)) for name in ops}
+
+
 def classify(target: Any) -> OpKind:
-    text = str(target)
     name = op_name(target)
     if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
         return OpKind.ATTENTION
-    if "c10d" in text or "autosp." in text:
+    if "c10d" in str(target) or "autosp." in str(target):
         return OpKind.COLLECTIVE
-    if name in _MATMUL_OPS:
-        return OpKind.MATMUL
-    if name in _VIEW_OPS:
-        return OpKind.VIEW
-    if name in _NORM_OPS:
-        return OpKind.NORM
-    if name in _LOSS_OPS:
-        return OpKind.LOSS
-    if name in _EMBEDDING_OPS:
-        return OpKind.EMBEDDING
-    if name in _REDUCTION_OPS:
-        return OpKind.REDUCTION
-    if name in _CREATION_OPS:
-        return OpKind.CREATION
-    if name in ("getitem",):
-        return OpKind.VIEW
-    return OpKind.POINTWISE
+    return _KIND_OF.get(name, OpKind.POINTWISE)
 
 
-def _prod(xs: Sequence[Any]) -> Any:
+def prod(xs: Sequence[Any]) -> Any:
+    """Product of sizes (ints or symbolic expressions)."""
     out = 1
     for x in xs:
         out = out * x
@@ -96,7 +87,7 @@ def attention_flops(q_shape: Sequence[Any], k_shape: Sequence[Any], causal: bool
     """FLOPs of one attention call; shapes are ``[..., heads, len, head_dim]``."""
     *batch, lq, d = q_shape
     lk = k_shape[-2]
-    fwd = 4 * _prod(batch) * lq * lk * d
+    fwd = 4 * prod(batch) * lq * lk * d
     if causal:
         fwd = fwd / 2
     return 2 * fwd if backward else fwd
@@ -117,14 +108,23 @@ def op_flops(target: Any, args: Sequence[Any], kwargs: dict[str, Any],
         if a is None or b is None:
             return 0
         # [..., M, K] @ [..., K, N] -> 2*M*N*K per batch element.
-        return 2 * _prod(out_shapes[0]) * a[-1]
+        return 2 * prod(out_shapes[0]) * a[-1]
     if kind == OpKind.ATTENTION:
         backward = name.endswith("_backward")
-        # Forward: (q, k, v, ...); backward: (grad_out, q, k, v, ...).
-        q, k = (arg_shapes[1], arg_shapes[2]) if backward else (arg_shapes[0], arg_shapes[1])
-        causal = kwargs.get("is_causal", _is_causal(args, backward))
-        return attention_flops(q, k, bool(causal), backward)
+        q, k = attention_operands(target, arg_shapes)
+        return attention_flops(q, k, is_causal_call(target, args, kwargs), backward)
     return 0
+
+
+def attention_operands(target: Any, arg_shapes: Sequence[Any]) -> tuple[Any, Any]:
+    """Shapes of (q, k) of an attention call; backward calls take ``grad_out`` first."""
+    if op_name(target).endswith("_backward"):
+        return arg_shapes[1], arg_shapes[2]
+    return arg_shapes[0], arg_shapes[1]
+
+
+def is_causal_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    return bool(kwargs.get("is_causal", _is_causal(args, op_name(target).endswith("_backward"))))
 
 
 def _is_causal(args: Sequence[Any], backward: bool) -> bool:

@@ -7,13 +7,14 @@ own custom ops (collectives, ring attention) are entered with the mode still
 active, so their internal buffers count too. This is the allocator's view of
 *new* tensor memory during the region (what the memory model predicts), free of
 RSS noise; on CUDA ``torch.cuda.max_memory_allocated`` gives the same quantity.
+
+A measurement tool: the runtime never imports it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Iterator
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,28 +78,22 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
-# torch.compile runs no compiled code while a dispatch mode is active (it falls back to
-# eager, i.e. *unsharded*, execution), so a probe cannot wrap a compiled model's call.
-# Instead it is *armed* here, and autosp's backend enters it inside each compiled graph.
-_ARMED: list[PeakBytes] = []
+def step_peak(model: object, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``loss = forward()`` and ``loss.backward()`` under a fresh probe: (loss, peak bytes).
 
-
-@contextlib.contextmanager
-def armed(probe: PeakBytes) -> Iterator[PeakBytes]:
-    """Measure autosp-compiled graphs: they enter ``probe`` while they run.
-
-        probe = PeakBytes()
-        with armed(probe):
-            loss = sp_model(...)            # graphs run under the probe
-            with probe:
-                loss.backward()             # backward is eager: enter it directly
+    torch.compile runs no compiled code while a dispatch mode is active (it falls back to
+    eager, i.e. *unsharded*, execution), so for an autosp model the probe is entered inside
+    each compiled graph through the model's graph hook, and around the (eager) backward.
     """
-    _ARMED.append(probe)
-    try:
-        yield probe
-    finally:
-        _ARMED.pop()
+    from autosp.transform.api import SequenceParallel
 
-
-def armed_probe() -> PeakBytes | None:
-    return _ARMED[-1] if _ARMED else None
+    probe = PeakBytes()
+    if isinstance(model, SequenceParallel):
+        with model.graph_hook(lambda: probe):
+            loss = forward()
+    else:
+        with probe:
+            loss = forward()
+    with probe:
+        loss.backward()
+    return loss, probe.peak

@@ -20,6 +20,8 @@ Backward calls the kernel's backward per pair with the *merged* ``out`` and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -128,14 +130,20 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_c
     return acc[0].to(q.dtype), acc[1]
 
 
-@chunked_attention.register_fake
-def _(q, k, v, q_chunks, kv_chunks, causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
+def register_blockwise(op: Any, names: tuple[str, ...], backward: Any) -> None:
+    """Fake kernel and autograd of a blockwise attention op ``(q, k, v, *rest) -> (out, lse)``:
+    the fake returns ``out`` like q and an fp32 ``lse``; setup keeps q, k, v, out, lse and the
+    non-tensor arguments under ``names`` for ``backward``."""
+    def fake(q: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
 
+    def setup(ctx, inputs, output) -> None:
+        for name, value in zip(names, inputs[3:]):
+            setattr(ctx, name, value)
+        ctx.save_for_backward(*inputs[:3], output[0], output[1])
 
-def _ca_setup(ctx, inputs, output) -> None:
-    q, k, v, ctx.q_chunks, ctx.kv_chunks, ctx.causal, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1])
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=setup)
 
 
 def _ca_backward(ctx, dout, dlse):
@@ -146,4 +154,4 @@ def _ca_backward(ctx, dout, dlse):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-chunked_attention.register_autograd(_ca_backward, setup_context=_ca_setup)
+register_blockwise(chunked_attention, ("q_chunks", "kv_chunks", "causal", "scale"), _ca_backward)

@@ -1,7 +1,7 @@
 """Capture one training step (forward + backward) as an :class:`OpGraph`, on fake tensors.
 
 How:
-  1. build the model on the ``meta`` device (no weights are allocated), keeping
+  1. build the model on the ``meta`` device (:mod:`autosp.graph.build`; no weights), keeping
      only a few of its repeated blocks when the family lets us rebuild it
      shallower (Hugging Face configs): identical layers are costed once;
   2. replace every parameter and buffer by a *fake* CPU tensor of the same
@@ -19,7 +19,6 @@ of token ids.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import traceback
@@ -30,12 +29,13 @@ import sympy
 import torch
 import torch.nn as nn
 
-from autosp.catalog import ModelSource, resolve
-from autosp.costmodel.flops import OpKind, classify, op_flops
 from autosp.errors import AutospError
-from autosp.hf_compat import unpacked_positions
-from autosp.planner.inputs import InputSpec, parse_dtype, parse_input_spec
-from autosp.planner.opgraph import S, LayerClass, OpGraph
+from autosp.graph.build import Built, build, count_params
+from autosp.graph.catalog import ModelSource
+from autosp.graph.hf_compat import unpacked_positions
+from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
+from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
+from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, op_flops, prod
 
 DEFAULT_LM_INPUTS = "input_ids:int64[B,S],labels:int64[B,S]"
 
@@ -58,100 +58,16 @@ def capture(model: str | nn.Module | ModelSource, *, seq_len: int, batch_size: i
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise AutospError(f"batch size must be a positive integer, got {batch_size!r}; pass e.g. --batch-size 1")
     torch_dtype = parse_dtype(dtype)
-    built = _build(model, torch_dtype, seq_len, max_layers)
+    built = build(model, torch_dtype, seq_len, max_layers)
     specs = parse_input_spec(inputs) if inputs else parse_input_spec(DEFAULT_LM_INPUTS)
     return _trace(built, specs, batch_size, seq_len, torch_dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# building the (shallow, meta) model
-
-
-class _Built:
-    def __init__(self, name: str, module: nn.Module, blocks: list[nn.Module],
-                 full_keys: list[Any], captured_keys: list[Any], is_hf: bool, notes: list[str],
-                 total_params: int):
-        self.name, self.module, self.blocks = name, module, blocks
-        self.full_keys, self.captured_keys = full_keys, captured_keys
-        self.is_hf, self.notes, self.total_params = is_hf, notes, total_params
-
-
-def _build(model: Any, dtype: torch.dtype, seq_len: int, max_layers: int | None) -> _Built:
-    if isinstance(model, nn.Module):
-        blocks = find_blocks(model)
-        total = _count_params(model)
-        return _Built(type(model).__name__, model, blocks, [0] * len(blocks), [0] * len(blocks),
-                      _looks_hf(model), [], total)
-    src = model if isinstance(model, ModelSource) else resolve(model)
-    if src.is_hf:
-        return _build_hf(src, dtype, seq_len, max_layers)
-    with torch.device("meta"):
-        module = src.factory()
-    if not isinstance(module, nn.Module):
-        raise AutospError(f"factory '{src.name}' returned {type(module).__name__}, not an nn.Module; return the model")
-    module = module.to(dtype) if dtype.is_floating_point else module
-    blocks = find_blocks(module)
-    return _Built(src.name, module, blocks, [0] * len(blocks), [0] * len(blocks), False, [],
-                  _count_params(module))
-
-
-def _build_hf(src: ModelSource, dtype: torch.dtype, seq_len: int, max_layers: int | None) -> _Built:
-    import transformers
-
-    cfg = copy.deepcopy(src.hf_config)
-    notes = []
-    n_full = cfg.num_hidden_layers
-    layer_types = list(getattr(cfg, "layer_types", None) or [])
-    full_keys = layer_types if len(layer_types) == n_full else [0] * n_full
-    if max_layers is None:
-        k = n_full
-    else:
-        first = {}
-        for i, key in enumerate(full_keys):
-            first.setdefault(key, i)
-        k = min(n_full, max(max_layers, max(first.values()) + 1))
-    # Parameters of the full-depth model, counted from a meta build (no memory) would cost
-    # time linear in depth; count per block instead and scale (see _count_hf_params).
-    cfg.num_hidden_layers = k
-    if len(layer_types) == n_full:
-        cfg.layer_types = layer_types[:k]
-    n_pos = getattr(cfg, "n_positions", None)
-    if cfg.model_type == "gpt2" and n_pos is not None and seq_len > n_pos:
-        notes.append(f"gpt2 has learned positions for {n_pos} tokens; planned with {seq_len} positions")
-        cfg.n_positions = seq_len
-    with torch.device("meta"):
-        module = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    blocks = find_blocks(module)
-    block_params = [_count_params(b) for b in blocks]
-    per_key = {key: block_params[i] for i, key in enumerate(full_keys[:k])}
-    total = _count_params(module) - sum(block_params) + sum(per_key[key] for key in full_keys)
-    return _Built(src.name, module, blocks, full_keys, full_keys[:k], True, notes, total)
-
-
-def _count_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _looks_hf(module: nn.Module) -> bool:
-    return hasattr(module, "config") and hasattr(module.config, "model_type")
-
-
-def find_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: the longest ModuleList whose children share one class."""
-    best: list[nn.Module] = []
-    for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) > len(best):
-            kinds = {type(c).__name__ for c in sub}
-            if len(kinds) == 1:
-                best = list(sub)
-    return best
 
 
 # --------------------------------------------------------------------------------------------
 # tracing
 
 
-def _trace(built: _Built, specs: list[InputSpec], batch_size: int, seq_len: int,
+def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
            dtype: torch.dtype) -> OpGraph:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -308,7 +224,7 @@ def _tensor_vals(val: Any) -> list[torch.Tensor]:
     return []
 
 
-def _to_opgraph(built: _Built, gm: torch.fx.GraphModule, shape_env: Any, canon: dict,
+def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: dict,
                 marks: dict[int, list[Any]], boundary_node: Any, batch_size: int, seq_len: int,
                 dtype: torch.dtype) -> OpGraph:
     nodes = list(gm.graph.nodes)
@@ -341,19 +257,24 @@ def _to_opgraph(built: _Built, gm: torch.fx.GraphModule, shape_env: Any, canon: 
         layer = fwd_block(i) if phase == "fwd" else seq_nr_block.get(n.meta.get("seq_nr"))
         kind = classify(n.target)
         arg_shapes = [(shapes_of.get(a) or [None])[0] if isinstance(a, torch.fx.Node) else None for a in n.args]
-        out_bytes = sum(_numel(s) * t.element_size() for s, t in zip(shapes, tvals))
+        out_bytes = sum(prod(s) * t.element_size() for s, t in zip(shapes, tvals))
         in_bytes = 0
         for a in n.all_input_nodes:
             for s, t in zip(shapes_of.get(a, []), _tensor_vals(a.meta.get("val"))):
-                in_bytes += _numel(s) * t.element_size()
+                in_bytes += prod(s) * t.element_size()
         is_view = kind == OpKind.VIEW
-        g.add_node(n.name, target=str(n.target), kind=kind, phase=phase, layer=layer,
-                   shapes=shapes, dtypes=[str(t.dtype).replace("torch.", "") for t in tvals],
-                   seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
-                   flops=op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes),
-                   bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
-                   bytes_saved=0, in_shapes=arg_shapes if kind == OpKind.ATTENTION else None,
-                   index=i)
+        attention = None
+        if kind == OpKind.ATTENTION:
+            q, k = attention_operands(n.target, arg_shapes)
+            attention = AttentionOp(batch=prod(q[:-3]), heads=q[-3], kv_heads=k[-3], q_len=q[-2], kv_len=k[-2],
+                                    head_dim=q[-1], causal=is_causal_call(n.target, n.args, n.kwargs))
+        g.add_node(n.name, op=OpNode(
+            name=n.name, target=str(n.target), kind=kind, phase=phase, layer=layer, shapes=shapes,
+            dtypes=[str(t.dtype).replace("torch.", "") for t in tvals],
+            seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
+            flops=op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes),
+            bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
+            attention=attention, index=i))
         for a in n.all_input_nodes:
             if a.name in g:
                 g.add_edge(a.name, n.name)
@@ -361,12 +282,12 @@ def _to_opgraph(built: _Built, gm: torch.fx.GraphModule, shape_env: Any, canon: 
         if phase == "fwd" and len(tvals) == 1 and any(_has_seq(e) for e in shapes[0]) \
                 and any(index[u] >= boundary for u in n.users):
             key = _storage_key(tvals[0], n.name)
-            size = _numel(shapes[0]) * tvals[0].element_size()
+            size = prod(shapes[0]) * tvals[0].element_size()
             prev = storage_best.get(key)
             if prev is None or _bigger(size, prev[0], seq_len):
                 storage_best[key] = (size, n.name)
     for size, name in storage_best.values():
-        g.nodes[name]["bytes_saved"] = size
+        g.nodes[name]["op"].bytes_saved = size
 
     classes = _layer_classes(built, g)
     return OpGraph(graph=g, model_name=built.name, batch_size=batch_size, seq_len=seq_len,
@@ -374,19 +295,11 @@ def _to_opgraph(built: _Built, gm: torch.fx.GraphModule, shape_env: Any, canon: 
                    total_params=built.total_params, captured_layers=len(built.blocks), notes=built.notes)
 
 
-def _numel(shape: tuple) -> Any:
-    out = 1
-    for d in shape:
-        out = out * d
-    return out
-
-
 def _has_seq(e: Any) -> bool:
     return isinstance(e, sympy.Basic) and S in e.free_symbols
 
 
 def _bigger(a: Any, b: Any, seq_len: int) -> bool:
-    from autosp.planner.opgraph import evaluate
     return evaluate(a, seq_len) > evaluate(b, seq_len)
 
 
@@ -398,13 +311,14 @@ def _storage_key(t: torch.Tensor, fallback: str) -> Any:
         return fallback
 
 
-def _layer_classes(built: _Built, g: nx.DiGraph) -> dict[str, LayerClass]:
+def _layer_classes(built: Built, g: nx.DiGraph) -> dict[str, LayerClass]:
     prints: dict[int, str] = {}
     for b in range(len(built.blocks)):
         h = hashlib.sha1()
-        for name, a in g.nodes(data=True):
-            if a["layer"] == b:
-                h.update(f"{a['phase']}|{a['target']}|{a['shapes']}|{a['dtypes']};".encode())
+        for _, data in g.nodes(data=True):
+            a: OpNode = data["op"]
+            if a.layer == b:
+                h.update(f"{a.phase}|{a.target}|{a.shapes}|{a.dtypes};".encode())
         prints[b] = h.hexdigest()[:12]
     classes: dict[str, LayerClass] = {}
     key_to_fp = {}
@@ -413,7 +327,7 @@ def _layer_classes(built: _Built, g: nx.DiGraph) -> dict[str, LayerClass]:
     for b in range(len(built.blocks)):
         fp = prints[b]
         lc = classes.setdefault(fp, LayerClass(fp, type(built.blocks[b]).__name__, 0, [],
-                                               _count_params(built.blocks[b])))
+                                               count_params(built.blocks[b])))
         lc.captured.append(b)
     if len(built.full_keys) == len(built.blocks):
         for fp, lc in classes.items():          # traced at full depth: count what we saw

@@ -7,6 +7,9 @@ The (padded) sequence of S tokens is cut into equal chunks:
 Each rank's tokens are its chunks concatenated in that order. A sequence dim may
 be *flattened* with leading dims (``[B*S, V]`` logits in a loss): its size is
 ``c * S`` and the token index is the inner one, so it is viewed as ``[c, S]``.
+
+The layout is one global choice: every sequence-sharded tensor (ids, labels,
+positions, masks, activations) follows it.
 """
 
 from __future__ import annotations
@@ -14,8 +17,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from autosp.costmodel.partition import LAYOUTS, all_chunks, n_chunks, rank_chunks  # noqa: F401 - re-exported
-from autosp.transform.collectives import all_gather
+from autosp.errors import AutospError
+from autosp.strategies.collectives import all_gather
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise AutospError(f"unknown layout '{layout}'; use one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def rank_chunks(layout: str, rank: int, world: int) -> list[int]:
+    if layout == "zigzag":
+        return [rank, 2 * world - 1 - rank]
+    return [rank]
+
+
+def all_chunks(layout: str, world: int) -> list[int]:
+    """Chunk ids of ranks 0..P-1, concatenated: the order an all-gather produces."""
+    return [c for r in range(world) for c in rank_chunks(layout, r, world)]
+
+
+def n_chunks(layout: str, world: int) -> int:
+    return 2 * world if layout == "zigzag" else world
+
+
+# ------------------------------------------------------------------ tensors
 
 
 def _as_tokens(x: Tensor, dim: int, full_len: int) -> tuple[Tensor, list[int], int]:

@@ -4,7 +4,7 @@ A model *spec* is one of
   * a catalogue name (``llama3-8b``, ``tiny``, ...);
   * a path to a Hugging Face ``config.json``;
   * ``package.module:factory`` — a callable returning an ``nn.Module``
-    (used with an input spec, see :mod:`autosp.planner.inputs`).
+    (used with an input spec, see :mod:`autosp.graph.inputs`).
 
 Configs follow the published model cards (hidden size, layers, heads, vocab);
 weights are never loaded.
@@ -20,20 +20,19 @@ from typing import Any, Callable
 
 from autosp.errors import AutospError
 
+
+def _llama3(hidden: int, ffn: int, layers: int, heads: int, max_positions: int) -> tuple[str, dict[str, Any]]:
+    """The Llama 3 family shares its vocabulary, 8 KV heads, RoPE base and norm epsilon."""
+    return ("LlamaConfig", dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                                num_attention_heads=heads, num_key_value_heads=8, vocab_size=128256,
+                                rope_theta=500000.0, max_position_embeddings=max_positions, rms_norm_eps=1e-5))
+
+
 # family -> transformers config class name; kwargs follow the public config.json files.
 CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama3-8b": ("LlamaConfig", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
-    "llama3-70b": ("LlamaConfig", dict(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
-    "llama3.1-405b": ("LlamaConfig", dict(
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
-        rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5)),
+    "llama3-8b": _llama3(4096, 14336, 32, 32, 8192),
+    "llama3-70b": _llama3(8192, 28672, 80, 64, 8192),
+    "llama3.1-405b": _llama3(16384, 53248, 126, 128, 131072),
     "mistral-7b": ("MistralConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,

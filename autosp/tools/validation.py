@@ -3,7 +3,7 @@
 Used by ``bench/costmodel_vs_measured.py`` (the full grid) and the tests (a
 small one). Measured time: median of timed forward+backward steps after a
 warm-up step, one CPU thread per rank. Measured memory: peak bytes of tensors
-allocated during one step (``autosp.costmodel.memory_probe``; parameters and
+allocated during one step (``autosp.tools.memory_probe``; parameters and
 inputs exist before the step), the same quantity as the prediction's
 ``step_peak``.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.launch import median_time
+from autosp.tools.launch import median_time
 
 
 def tiny_model():
     import torch
     import transformers
 
-    from autosp.catalog import hf_config
+    from autosp.graph.catalog import hf_config
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -29,32 +29,27 @@ def tiny_model():
 def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[str, float]:
     import torch
 
-    from autosp.costmodel.memory_probe import PeakBytes, armed
+    from autosp.tools.memory_probe import step_peak
 
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
 
-    def step(probe=None) -> float:
-        if probe is None:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        elif hasattr(model, "state"):               # autosp: its graphs enter the armed probe
-            with armed(probe):
-                loss = model(input_ids=ids, labels=ids).loss
-            with probe:
-                loss.backward()
+    def forward() -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    def step(measure_memory: bool = False) -> tuple[float, int]:
+        if measure_memory:
+            loss, peak = step_peak(model, forward)
         else:
-            with probe:
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
+            loss, peak = forward(), 0
+            loss.backward()
         for p in model.parameters():
             p.grad = None
-        return loss.item()
+        return loss.item(), peak
 
     step()                                           # warm-up (and compile)
     seconds = median_time(step, repeats, barrier)
-    probe = PeakBytes()
-    loss = step(probe)
-    return {"time": seconds, "peak": probe.peak, "loss": loss}
+    loss, peak = step(measure_memory=True)
+    return {"time": seconds, "peak": peak, "loss": loss}
 
 
 def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) -> list[dict[str, Any]]:
@@ -87,9 +82,8 @@ def measured_single(seq_lens: list[int], repeats: int = 1) -> list[dict[str, Any
 
 
 def predicted(rows: list[dict[str, Any]], profile: str = "cpu-gloo") -> list[dict[str, Any]]:
-    from autosp.costmodel.predict import predict
-    from autosp.costmodel.profile import load_profile
-    from autosp.planner import capture
+    from autosp.costmodel import load_profile, predict
+    from autosp.graph import capture
 
     prof = load_profile(profile)
     graphs: dict[int, Any] = {}
@@ -98,7 +92,6 @@ def predicted(rows: list[dict[str, Any]], profile: str = "cpu-gloo") -> list[dic
         s = r["seq_len"]
         if s not in graphs:
             graphs[s] = capture("tiny", seq_len=s, dtype="float32")
-        st = "ulysses" if r["strategy"] == "single" else r["strategy"]
-        p = predict(graphs[s], prof, sp=r["sp"], strategy=st)
+        p = predict(graphs[s], prof, sp=r["sp"], strategy=r["strategy"])
         out.append({**r, "pred_time": p.total_s, "pred_peak": p.memory["step_peak"]})
     return out

@@ -1,4 +1,6 @@
-"""Run a function on N local gloo processes (demo, benchmarks), and time steps robustly."""
+"""Run a function on N local gloo processes (demo, benchmarks), and time steps robustly.
+
+A measurement tool: never imported by the training runtime."""
 
 from __future__ import annotations
 
@@ -57,13 +59,20 @@ def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: fl
                 p.kill()
 
 
-def median_time(step: Callable[[], Any], repeats: int, barrier: Callable[[], Any] | None = None) -> float:
-    """Median wall time of ``repeats`` calls of ``step`` (each after ``barrier``, if given)."""
-    times = []
-    for _ in range(repeats):
+def median_time(step: Callable[[], Any], repeats: int, barrier: Callable[[], Any] | None = None,
+                sync: Callable[[], Any] | None = None, warmup: bool = False) -> float:
+    """Median wall time of ``repeats`` calls of ``step``, each after ``barrier`` (ranks start
+    together) and closed by ``sync`` (e.g. a device synchronise). ``warmup``: one untimed call
+    first; when it takes over half a second, at most 3 repeats keep long points bounded."""
+    def timed() -> float:
         if barrier:
             barrier()
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        if sync:
+            sync()
+        return time.perf_counter() - t0
+
+    if warmup and timed() > 0.5:
+        repeats = min(repeats, 3)
+    return statistics.median(timed() for _ in range(repeats))

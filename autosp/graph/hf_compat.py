@@ -16,6 +16,12 @@ import contextlib
 from typing import Iterator
 
 
+def is_hf_model(module: object) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (or anything shaped like one)."""
+    config = getattr(module, "config", None)
+    return config is not None and hasattr(config, "model_type")
+
+
 @contextlib.contextmanager
 def unpacked_positions(active: bool = True) -> Iterator[None]:
     """Within this context HF's packed-sequence detection answers "not packed"."""

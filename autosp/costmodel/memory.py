@@ -1,0 +1,105 @@
+"""Memory accounting per device: model states, activations by liveness, checkpointing.
+
+Model states: parameters, optimizer states (AdamW: fp32 moments, + fp32 master
+weights for low-precision parameters) and gradients, divided by the ZeRO stage
+(3: parameters; 1: optimizer states; 2: gradients too).
+
+Activations: liveness over the captured forward+backward schedule (a tensor lives
+from its op to its last reader; views alias their base; gradients live to the
+end), evaluated at the local number of tokens.
+
+Checkpointing per layer class keeps of one layer's saved activations:
+  none       everything autograd saves
+  selective  what is expensive to recompute: matmul and attention outputs
+  full       the layer's input only (one hidden state)
+"""
+
+from __future__ import annotations
+
+from autosp.graph import OpGraph, OpKind, evaluate
+
+CHECKPOINTS = ("none", "selective", "full")
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES.get(dtype, 2)
+
+
+def model_states(graph: OpGraph, group: int, zero_stage: int) -> dict[str, float]:
+    """Bytes per device of parameters, optimizer states and gradients under a ZeRO stage."""
+    p_bytes = dtype_bytes(graph.dtype)
+    n = graph.total_params
+    return {"parameters": n * p_bytes / (group if zero_stage >= 3 else 1),
+            "optimizer": n * (8 + (4 if p_bytes < 4 else 0)) / (group if zero_stage >= 1 else 1),
+            "gradients": n * p_bytes / (group if zero_stage >= 2 else 1)}
+
+
+def liveness_peak(graph: OpGraph, tokens: float) -> tuple[float, float, float]:
+    """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
+    while an attention op runs), with sizes evaluated at ``tokens`` per rank."""
+    g = graph.graph
+    order = list(g.nodes)
+    ops = {n: graph.op(n) for n in order}
+    idx = {n: i for i, n in enumerate(order)}
+    base: dict[str, str] = {}
+    size: dict[str, float] = {}
+    for n in order:
+        preds = [p for p in g.predecessors(n) if ops[p].holds_memory]
+        if ops[n].kind == OpKind.VIEW and preds:
+            base[n] = base.get(preds[0], preds[0])
+        else:
+            base[n] = n
+            size[n] = evaluate(ops[n].bytes_written, tokens)
+    last = {b: idx[b] for b in size}
+    end = len(order)
+    for n in order:
+        if not ops[n].holds_memory:
+            continue
+        succ = list(g.successors(n))
+        b = base[n]
+        if not succ and ops[n].phase == "bwd":
+            last[b] = end                                      # a gradient: kept
+        for u in succ:
+            if ops[u].holds_memory:
+                last[b] = max(last[b], idx[u])
+    grads = sum(size.get(b, 0.0) for b, i in last.items() if i == end)
+    frees: dict[int, list[str]] = {}
+    for b, i in last.items():
+        frees.setdefault(i, []).append(b)
+    live = peak = at_attention = 0.0
+    for i, n in enumerate(order):
+        if base[n] == n:
+            live += size[n]
+            peak = max(peak, live)
+        if ops[n].kind == OpKind.ATTENTION:
+            at_attention = max(at_attention, live)
+        for b in frees.get(i, []):
+            live -= size[b]
+    return peak, grads, at_attention
+
+
+def untraced_layer_activations(graph: OpGraph, tokens: float) -> float:
+    """Saved activations of the layers that were not traced: alive across the forward/backward turn."""
+    extra = 0.0
+    for lc in graph.layer_classes.values():
+        missing = lc.count - len(lc.captured)
+        if missing > 0:
+            extra += missing * evaluate(graph.block_sum(lc.captured[0], "bytes_saved", "fwd"), tokens)
+    return extra
+
+
+def saved_per_layer(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:
+    """Per layer class: saved activation bytes of one layer under each checkpointing choice."""
+    emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
+    hidden = evaluate(emb.bytes_written, tokens) if emb else 0.0
+    out = {}
+    for fp, lc in graph.layer_classes.items():
+        saved = sel = 0.0
+        for a in graph.nodes(phase="fwd", layer=lc.captured[0]):
+            b = evaluate(a.bytes_saved, tokens)
+            saved += b
+            if a.kind in (OpKind.MATMUL, OpKind.ATTENTION):
+                sel += b
+        out[fp] = {"none": saved, "selective": max(sel, hidden), "full": min(hidden, saved)}
+    return out

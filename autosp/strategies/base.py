@@ -1,0 +1,269 @@
+"""The SP attention strategy interface and its registry.
+
+A strategy is one module that declares, in one place, everything the rest of
+autosp needs to know about one way of running attention over a sequence-sharded
+group of ranks:
+
+  legality   :meth:`Strategy.illegal`   heads and KV heads, ranks, layout, masks
+  costs      :meth:`Strategy.cost`      attention kernel calls per rank, the
+                                         collectives per call with their bytes,
+                                         which of them overlap with which kernel
+                                         work, and workspace memory
+  runtime    :attr:`Strategy.attention_fn` and :meth:`Strategy.setup`: the function
+                                         that replaces ``scaled_dot_product_attention``
+                                         in the graph, and the process groups it needs
+
+The cost model turns the declarations into seconds and bytes with a hardware
+profile; the planner enumerates :func:`candidates`; the sharding pass calls
+:func:`pick` and the strategy's runtime; reports print :attr:`Strategy.spec`.
+Nothing outside ``strategies/`` compares strategy names. A new strategy is one
+new module with a ``@register``-ed subclass (see ``tests/toy_strategy.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from autosp.errors import AutospError
+from autosp.strategies.layout import n_chunks, rank_chunks
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class SPMesh:
+    """Where attention runs: the SP group's size, its token layout, and the topology."""
+
+    degree: int
+    layout: str = "contiguous"
+    devices_per_node: int = 1 << 30        # the transform does not know the topology: one node
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.degree > self.devices_per_node
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention op with global sizes: ``q [batch, heads, seq_len, head_dim]``."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int = 0
+    batch: float = 1
+    seq_len: float = 0
+    elem_bytes: int = 2
+    causal: bool = True
+    masked: bool = False                   # an explicit attention mask is passed
+
+    def bytes(self, heads: float, tokens: float) -> float:
+        """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""
+        return self.batch * heads * tokens * self.head_dim * self.elem_bytes
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """``count`` fused attention calls of one shape (batch folded into ``heads``)."""
+
+    heads: float
+    q_len: float
+    kv_len: float
+    head_dim: float
+    causal: bool
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``count`` collectives of one kind per attention op in one phase.
+
+    ``nbytes`` is the per-rank buffer (the profile's convention). ``overlap_steps = n > 0``
+    says each transfer runs beside one n-th of the phase's attention kernel work, so only
+    ``max(0, t - kernel / n)`` of it is exposed; ``0`` means it blocks (fully exposed).
+    """
+
+    collective: str            # all_to_all, all_gather, reduce_scatter, all_reduce, send_recv
+    group: int
+    nbytes: float
+    phase: str                 # "fwd" or "bwd"
+    count: int = 1
+    inter: bool = False        # crosses nodes
+    overlap_steps: int = 0
+
+
+@dataclass
+class AttentionCost:
+    """What one attention op costs under a strategy, before any profile is applied."""
+
+    kernels: list[list[KernelCall]]    # per rank, its forward calls (backward: the same shapes)
+    transfers: list[Transfer]
+    workspace_bytes: float             # transient buffers alive around the op
+
+
+class Strategy(ABC):
+    """One way to run attention under SP. Instances are values: equal when their specs are."""
+
+    family: ClassVar[str]                       # the registry key; specs start with it
+    example: ClassVar[str] = ""                 # how users write it (defaults to ``family``)
+    layout: ClassVar[str | None] = None         # the token layout it needs; None: any
+    auto_rank: ClassVar[int | None] = None      # order in which strategy="auto" tries it
+    attention_fn: ClassVar[Callable[..., Any]]  # replaces scaled_dot_product_attention
+
+    @property
+    def spec(self) -> str:
+        """The strategy as written in plans, reports and ``strategy=``."""
+        return self.family
+
+    @classmethod
+    def parse(cls, spec: str) -> "Strategy":
+        if spec != cls.family:
+            raise AutospError(f"bad strategy '{spec}'; write '{cls.example or cls.family}'")
+        return cls()
+
+    @classmethod
+    def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list["Strategy"]:
+        """The instances the planner may choose under ``mesh`` (legality is checked after)."""
+        return [cls()] if mesh.degree > 1 and cls.layout in (None, mesh.layout) else []
+
+    @abstractmethod
+    def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        """Why this strategy cannot run this op on this mesh (a sentence naming the fix), or None."""
+
+    @abstractmethod
+    def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
+        ...
+
+    def setup(self, group: Any) -> dict[str, Any]:
+        """Runtime keyword arguments of :attr:`attention_fn` for the SP ``group``.
+
+        Called on every rank, in the same order, before compiling (a strategy that needs
+        sub-groups creates them here)."""
+        return {"group_name": group.group_name}
+
+    def grid(self, mesh: SPMesh) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) of the 2-D SP grid this strategy uses."""
+        return (1, mesh.degree)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.spec}>"
+
+
+# ------------------------------------------------------------------ registry
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a strategy known to compile, the cost model, the planner and reports."""
+    _REGISTRY[cls.family] = cls
+    return cls
+
+
+def unregister(family: str) -> None:
+    _REGISTRY.pop(family, None)
+
+
+def names() -> list[str]:
+    """How each registered strategy is written, for error messages and help."""
+    return [cls.example or cls.family for cls in _REGISTRY.values()]
+
+
+def resolve(spec: "str | Strategy") -> Strategy:
+    """The strategy a spec names, e.g. ``"ulysses"`` or ``"hybrid:2x4"``."""
+    if isinstance(spec, Strategy):
+        return spec
+    cls = _REGISTRY.get(str(spec).split(":", 1)[0])
+    if cls is None:
+        raise AutospError(f"unknown strategy '{spec}'; use one of {', '.join([AUTO] + names())}")
+    return cls.parse(spec)
+
+
+def check_spec(spec: "str | Strategy") -> None:
+    if spec != AUTO:
+        resolve(spec)
+
+
+def pick(spec: "str | Strategy", shape: AttentionShape, mesh: SPMesh) -> Strategy:
+    """The strategy to run: ``spec`` itself, or for ``"auto"`` the first legal one by ``auto_rank``."""
+    if spec != AUTO:
+        return resolve(spec)
+    ranked = sorted((c for c in _REGISTRY.values() if c.auto_rank is not None), key=lambda c: c.auto_rank)
+    for cls in ranked:
+        for strat in cls.variants(mesh, shape):
+            if strat.illegal(shape, mesh) is None:
+                return strat
+    raise AutospError(f"no strategy can run attention with {shape.heads} heads on {mesh.degree} ranks; "
+                      f"name one of {', '.join(names())}")
+
+
+def candidates(mesh: SPMesh, shape: AttentionShape, allowed: "tuple[str, ...] | None" = None) -> list[Strategy]:
+    """Every legal strategy instance under ``mesh`` (``allowed``: only these families)."""
+    unknown = set(allowed or ()) - set(_REGISTRY)
+    if unknown:
+        raise AutospError(f"unknown strategy {', '.join(sorted(unknown))}; use families of "
+                          f"{', '.join(_REGISTRY)}")
+    out = []
+    for family, cls in _REGISTRY.items():
+        if allowed is not None and family not in allowed:
+            continue
+        out += [s for s in cls.variants(mesh, shape) if s.illegal(shape, mesh) is None]
+    return out
+
+
+def required_layout(strategies: list[Strategy]) -> str | None:
+    """The token layout these strategies need (one global choice), or None if any works."""
+    need = {s.layout for s in strategies} - {None}
+    if len(need) > 1:
+        raise AutospError(f"strategies {', '.join(s.spec for s in strategies)} need different token layouts "
+                          f"({', '.join(sorted(need))}); the layout is one global choice")
+    return next(iter(need), None)
+
+
+# ------------------------------------------------------------------ shared cost arithmetic
+
+def blockwise_kernel_calls(shape: AttentionShape, mesh: SPMesh, heads: float, ring: int) -> list[list[KernelCall]]:
+    """Per ring rank, the fused calls of blockwise attention (ring, all-gather-KV, a hybrid's ring).
+
+    The sequence is cut into equal chunks (see :mod:`autosp.strategies.layout`); a ring rank
+    holding query chunks ``A`` makes, under a causal mask, one causal call per chunk in ``A``
+    and ``sum(A)`` full calls (chunk ``a`` sees chunks ``0..a-1``): contiguous rank r makes
+    1 causal + r full calls (the last rank is busiest); zigzag rank r (chunks r, 2P-1-r) makes
+    2 causal + 2P-1 full on every rank (balanced). Ring rank g holds the tokens of the SP ranks
+    ``g*u .. g*u+u-1`` (``u = degree / ring``).
+    """
+    sp, lay = mesh.degree, mesh.layout
+    u = sp // ring
+    n = n_chunks(lay, sp)
+    c = shape.seq_len / n
+    d = shape.head_dim
+    out = []
+    for g in range(ring):
+        ids = [x for j in range(u) for x in rank_chunks(lay, g * u + j, sp)]
+        if shape.causal:
+            out.append([KernelCall(heads, c, c, d, True, len(ids)), KernelCall(heads, c, c, d, False, sum(ids))])
+        else:
+            out.append([KernelCall(heads, c, c, d, False, len(ids) * n)])
+    return out
+
+
+def ring_workspace(shape: AttentionShape, mesh: SPMesh) -> float:
+    """fp32 output accumulator, two K/V blocks in flight, the expanded K/V of one call."""
+    s_loc = shape.seq_len / mesh.degree
+    q_loc, kv_loc = shape.bytes(shape.heads, s_loc), shape.bytes(shape.kv_heads, s_loc)
+    return q_loc * 4 / shape.elem_bytes + 2 * 2 * kv_loc + 2 * q_loc
+
+
+def ring_transfers(kv_block: float, ring: int, inter: bool, elem_bytes: int) -> list[Transfer]:
+    """K/V blocks pass around a ring of ``ring`` ranks, each hop beside one block's attention;
+    backward sends the blocks again and the fp32 dK/dV accumulators travel with them."""
+    return [Transfer("send_recv", ring, kv_block, "fwd", ring - 1, inter, overlap_steps=ring),
+            Transfer("send_recv", ring, kv_block, "bwd", ring - 1, inter, overlap_steps=ring),
+            Transfer("send_recv", ring, kv_block * 4 / elem_bytes, "bwd", ring, inter)]

@@ -1,0 +1,91 @@
+"""Ring attention: K/V blocks travel around the SP group, partial results merge by log-sum-exp.
+
+No head constraint and never the full K/V on one rank: per-rank memory is
+``O(S/P)`` (see :mod:`autosp.strategies.ring_kernel` for the schedule). Each
+hop's transfer runs while the rank attends to the block it holds.
+
+Two specs, one runtime: ``ring`` runs on whatever token layout the model uses
+(contiguous by default: the last rank does most of the causal work), and
+``zigzag_ring`` asks for the zigzag layout, which balances causal work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from torch import Tensor
+
+from autosp.errors import AutospError
+from autosp.strategies.base import (AttentionCost, AttentionShape, SPMesh, Strategy, blockwise_kernel_calls,
+                                    register, ring_transfers, ring_workspace)
+from autosp.strategies.collectives import resolve_group
+from autosp.strategies.layout import all_chunks
+from autosp.strategies.ring_kernel import ring_attention
+
+
+def no_mask_or_dropout(strategy: str, attn_mask: Tensor | None, dropout_p: float) -> None:
+    if attn_mask is not None:
+        raise AutospError(f"strategy '{strategy}' does not take an explicit attention mask; use 'ulysses' for "
+                          "masked attention (or pass no padding mask)")
+    if dropout_p:
+        raise AutospError(f"strategy '{strategy}' does not support attention dropout ({dropout_p}); set it to 0")
+
+
+def softmax_scale(q: Tensor, scale: float | None) -> float:
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                      enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
+    no_mask_or_dropout("ring", attn_mask, dropout_p)
+    world = dist.get_world_size(resolve_group(group_name))
+    out, _ = ring_attention(query, key, value, all_chunks(layout, world), is_causal, softmax_scale(query, scale),
+                            group_name)
+    return out
+
+
+def masked_illegal(name: str, shape: AttentionShape) -> str | None:
+    if shape.masked:
+        return (f"has an explicit attention mask, which strategy '{name}' does not take; use a strategy that "
+                "does (ulysses) for this layer or drop the padding mask")
+    return None
+
+
+@register
+class Ring(Strategy):
+    family = "ring"
+    auto_rank = 1
+    attention_fn = staticmethod(ring_attention_sp)
+
+    @classmethod
+    def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list[Strategy]:
+        # Under zigzag the planner writes the same runtime as zigzag_ring.
+        return [cls()] if mesh.degree > 1 and mesh.layout == "contiguous" else []
+
+    def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        return masked_illegal(self.spec, shape)
+
+    def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
+        p = mesh.degree
+        kv_block = 2 * shape.bytes(shape.kv_heads, shape.seq_len / p)
+        return AttentionCost(kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
+                             transfers=ring_transfers(kv_block, p, mesh.crosses_nodes, shape.elem_bytes),
+                             workspace_bytes=ring_workspace(shape, mesh))
+
+
+@register
+class ZigzagRing(Ring):
+    family = "zigzag_ring"
+    layout = "zigzag"
+    auto_rank = None
+
+    @classmethod
+    def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list[Strategy]:
+        return [cls()] if mesh.degree > 1 and mesh.layout == "zigzag" else []
+
+    def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        if mesh.layout != "zigzag":
+            return "needs the zigzag token layout (layout='zigzag'; the layout is one global choice)"
+        return super().illegal(shape, mesh)

@@ -1,0 +1,74 @@
+"""The module map holds: each stage imports only what README's "Layout" allows, no module outside
+``autosp/strategies/`` compares strategy names, and no file grows past 400 lines without a reason."""
+
+import ast
+import pathlib
+
+import pytest
+
+from autosp.strategies import names
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "autosp"
+# folder -> autosp subpackages/modules it may not import (prefix match on the dotted name)
+FORBIDDEN = {
+    "graph": ("autosp.costmodel", "autosp.planner", "autosp.transform", "autosp.strategies", "autosp.tools"),
+    "strategies": ("autosp.costmodel", "autosp.planner", "autosp.transform", "autosp.tools"),
+    "costmodel": ("autosp.planner", "autosp.transform"),
+    "planner": ("autosp.transform", "autosp.tools"),
+    "transform": ("autosp.planner.search", "autosp.planner.ilp", "autosp.costmodel", "autosp.tools"),
+}
+
+
+def _modules():
+    return sorted(p for p in ROOT.rglob("*.py"))
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):                  # function-level imports count too
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_stage_imports(path):
+    folder = path.relative_to(ROOT).parts[0]
+    bad = [m for m in _imports(ast.parse(path.read_text())) for f in FORBIDDEN.get(folder, ()) if m.startswith(f)]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def _compared_strings(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                for c in ast.walk(side):
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        out.add(c.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("startswith", "endswith"):
+            out |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return out
+
+
+def test_no_strategy_names_compared_outside_the_strategies():
+    specs = {n.split(":")[0] for n in names()} | set(names())
+    offenders = {}
+    for path in _modules():
+        if path.relative_to(ROOT).parts[0] == "strategies":
+            continue
+        hits = _compared_strings(ast.parse(path.read_text())) & specs
+        if hits:
+            offenders[str(path.relative_to(ROOT))] = hits
+    assert not offenders, offenders
+    assert {"ulysses", "ring", "hybrid"} <= specs        # the check looks for real names
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_stay_short_or_say_why(path):
+    lines = path.read_text().splitlines()
+    if len(lines) > 400:
+        assert any("over 400 lines" in ln.lower() for ln in lines[:20]), f"{path} has {len(lines)} lines"
