@@ -13,8 +13,27 @@ import autosp
 from autosp.errors import AutospError
 
 
+class _BreakingBlock(torch.nn.Module):
+    """A reference block whose forward breaks the graph between attention and MLP: the last
+    MLP, the final norm, the head and the loss land in a graph without attention."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        x = x + b.attn(b.attn_norm(x), cos, sin)
+        torch._dynamo.graph_break()
+        return x + b.w2(torch.nn.functional.gelu(b.w1(b.ffn_norm(x))))
+
+
 def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "reference_break":
+        model = build("reference", heads, kv)
+        model.layers = torch.nn.ModuleList(_BreakingBlock(layer) for layer in model.layers)
+        return model
     if kind == "reference":
         from autosp.models import ReferenceConfig, ReferenceTransformer
 
@@ -23,6 +42,14 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
     import transformers
 
     common = dict(vocab_size=128, attn_implementation=extra.pop("attn", "sdpa"))
+    if kind == "mixtral_eager":
+        # Experts as a Python loop (transformers' fallback when grouped experts cannot run): the
+        # loop breaks the graph after the sequence is sharded, 10 graphs for 2 layers.
+        cfg = transformers.MixtralConfig(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=4,
+                                         num_experts_per_tok=2, **common)
+        cfg._experts_implementation = "eager"
+        return transformers.AutoModelForCausalLM.from_config(cfg)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)
@@ -30,12 +57,12 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
         cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
                "qwen3": "Qwen3Config", "olmo2": "Olmo2Config"}[kind]
         cfg = getattr(transformers, cls)(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=heads, num_key_value_heads=kv, **common)
+                                         num_attention_heads=heads, num_key_value_heads=kv, **common, **extra)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if kind == "reference":
+    if kind.startswith("reference"):
         return model(ids, labels=labels)
     return model(input_ids=ids, labels=labels).loss
 
@@ -87,6 +114,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["param_err"] = _rel(flat(sp_model), flat(ref))
     out["attention_ops"] = sp.state.attention_ops
     out["strategies"] = sp.state.strategies          # the spec that ran, per attention op
+    out["graphs"] = len(sp.state.reports)
+    out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out
 
@@ -98,15 +127,8 @@ def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: An
     ids, labels = _batch(0, 1, seq_len, False)
     try:
         _loss(sp, kind, ids, labels)
-    except AutospError as e:
+    except AutospError as e:          # raised as itself, not wrapped in Dynamo's BackendCompilerFailed
         return str(e)
-    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors
-        inner = e
-        while inner is not None and not isinstance(inner, AutospError):
-            inner = inner.__cause__ or inner.__context__
-        if inner is not None:
-            return str(inner)
-        raise
     return ""
 
 
@@ -245,3 +267,45 @@ def toy_strategy_compare(seq_len: int = 32) -> dict[str, Any]:
                     profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,))
     planned = train_compare("llama", seq_len=seq_len, steps=2, plan=p, heads=4, kv=2)
     return {"forced": forced, "planned": planned, "plan_strategies": [layer["strategy"] for layer in p.layers]}
+
+
+def inputs_embeds_compare(kind: str = "llama", seq_len: int = 32, steps: int = 2, strategy: str = "auto",
+                          **cfg: Any) -> dict[str, Any]:
+    """inputs_embeds made by an upstream module outside the model: its gradients too equal one process's."""
+    ref = build(kind, **cfg)
+    hidden = ref.config.hidden_size
+    torch.manual_seed(1)
+    up_ref = torch.nn.Sequential(torch.nn.Embedding(128, hidden), torch.nn.Linear(hidden, hidden))
+    sp_model, up_sp = copy.deepcopy(ref), copy.deepcopy(up_ref)
+    sp = autosp.compile(sp_model, strategy=strategy)
+    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "upstream_grad_err": 0.0}
+    for step in range(steps):
+        ids, labels = _batch(step, 2, seq_len, False)
+        loss_ref = ref(inputs_embeds=up_ref(ids), labels=labels).loss
+        loss_ref.backward()
+        loss_sp = sp(inputs_embeds=up_sp(ids), labels=labels).loss
+        loss_sp.backward()
+        out["loss_err"] = max(out["loss_err"], abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
+        for key, a, b in (("grad_err", sp_model, ref), ("upstream_grad_err", up_sp, up_ref)):
+            for p, q in zip(a.parameters(), b.parameters()):
+                if q.grad is None:             # the model's token embedding: unused with inputs_embeds
+                    assert p.grad is None or not p.grad.any()
+                    continue
+                out[key] = max(out[key], _rel(p.grad, q.grad))
+        for m in (ref, sp_model, up_ref, up_sp):
+            m.zero_grad()
+    out["strategies"] = sp.state.strategies
+    return out
+
+
+def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any) -> list[str]:
+    """The warnings autosp gives over one training step of this model."""
+    import warnings
+
+    model = build(kind, **cfg).train()
+    sp = autosp.compile(model, strategy=strategy)
+    ids, labels = _batch(0, 1, seq_len, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loss(sp, kind, ids, labels).backward()
+    return [str(w.message) for w in caught if "autosp" in w.filename or "SP" in str(w.message)]

@@ -104,3 +104,41 @@ def test_a_strategy_registered_from_a_test_runs_forced_and_planned(pool):
         assert r["plan_strategies"] == ["toy_allgather_ar"]
         check_exact([r["forced"]], ["toy_allgather_ar"] * 2)
         check_exact([r["planned"]], ["toy_allgather_ar"] * 2)
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_graph_break_between_sharded_layers_is_exact(pool, strategy):
+    # The break sits in a loop, so the model's own frame runs eagerly (embedding, norm, head, loss on
+    # the full sequence on every rank) and Dynamo compiles the block's two halves: attention (sharded,
+    # one compiled graph serving both layers) and the MLP (no attention: run replicated, 3 parameters).
+    # Eager and replicated parameters must not get P times their gradient.
+    for r in run_ok(pool, "train_compare", kind="reference_break", strategy=strategy):
+        check_exact([r], [strategy])
+        assert r["graphs"] == 2 and r["replicated_params"] == 3, r      # ffn_norm, w1, w2
+
+
+def test_mixtral_with_eager_experts_breaks_the_graph_and_stays_exact(pool):
+    # Before: the last layer's experts, the final norm and the head got exactly P x their gradient.
+    for r in run_ok(pool, "train_compare", kind="mixtral_eager", strategy="ulysses", steps=2):
+        check_exact([r], ["ulysses"])
+        assert r["graphs"] > 2 and r["replicated_params"] > 0, r
+
+
+def test_per_layer_strategies_that_a_graph_break_cannot_honour_are_refused(pool):
+    msgs = run_ok(pool, "expect_error", kind="reference_break", strategy=["ulysses", "ring"])
+    assert "2 per-layer strategies" in msgs[0] and "graph break" in msgs[0], msgs[0]
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_inputs_embeds_from_an_upstream_module_get_full_gradients(pool, strategy):
+    for r in run_ok(pool, "inputs_embeds_compare", strategy=strategy, seq_len=33):
+        assert r["strategies"] == [strategy] * 2, r
+        assert r["loss_err"] <= LOSS_TOL and r["grad_err"] <= GRAD_TOL, r
+        assert r["upstream_grad_err"] <= GRAD_TOL, r
+
+
+def test_what_is_exact_but_not_expected_is_said_once(pool):
+    (drop, *_r) = run_ok(pool, "warnings_of", kind="llama", strategy="ulysses", attention_dropout=0.1)
+    assert sum("attention dropout (p=" in w and "not bit for bit" in w for w in drop) == 1, drop
+    (brk, *_r) = run_ok(pool, "warnings_of", kind="reference_break")
+    assert sum("graph break" in w and "runs unsharded on every rank" in w for w in brk) == 1, brk

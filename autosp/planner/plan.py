@@ -93,3 +93,10 @@ class Plan:
         for layer in self.layers:
             out += [layer["strategy"]] * layer["count"]
         return out
+
+    def strategy(self) -> str | list[str]:
+        """What ``autosp.compile(strategy=...)`` applies: one strategy when every layer class has
+        the same (it holds however graph breaks split the layers into compiled graphs), else one
+        per attention layer."""
+        per_layer = self.strategy_per_layer()
+        return per_layer[0] if len(set(per_layer)) == 1 else per_layer

@@ -44,7 +44,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     ``layout``: ``"contiguous"`` or ``"zigzag"`` token layout for every sharded tensor
     (default: the layout a named strategy needs, e.g. zigzag for ``zigzag_ring``, else contiguous).
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
-    data parallel across); ``reduce_grads=False`` leaves gradient reduction to DDP/FSDP.
+    data parallel across). ``reduce_grads=True``: every rank's parameter gradients are the
+    single-device ones (the SP sum happens inside the graphs' backward, see
+    :mod:`autosp.transform.replicated`); ``False``: they are this rank's partial sums, which
+    the caller's DDP/FSDP reduces over the SP group too.
     ``gather_outputs``: sequence-sharded outputs (logits) come back all-gathered (True), as
     this rank's tokens (False), or by default all-gathered only from graphs that compute no
     loss: a model called with labels returns the global loss and this rank's logits (full
@@ -61,7 +64,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     if the_plan is not None:
         if dist.is_available() and dist.is_initialized():
             the_plan.check(world_size=dist.get_world_size())
-        strategy, layout = the_plan.strategy_per_layer(), the_plan.layout
+        strategy, layout = the_plan.strategy(), the_plan.layout
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
         ckpt = {layer["checkpoint"] for layer in the_plan.layers} - {"none"}
         if ckpt:
@@ -83,9 +86,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
     layout = _layout_for(strategies, layout)
-    config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs)
+    config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
+                      reduce_grads=reduce_grads)
     _set_up(config, strategies)
-    sp = SequenceParallel(model, config, reduce_grads)
+    sp = SequenceParallel(model, config)
     sp.plan = the_plan
     sp.plan_provider = provider
     return sp
@@ -137,7 +141,7 @@ def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
 class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
-    def __init__(self, module: nn.Module, config: SPConfig, reduce_grads: bool):
+    def __init__(self, module: nn.Module, config: SPConfig):
         super().__init__()
         self.module = module
         self.config = config
@@ -158,8 +162,6 @@ class SequenceParallel(nn.Module):
         self.plan = None             # the Plan applied, if any
         self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
-        self._hooks = [p.register_hook(self._reduce_grad) for p in module.parameters()
-                       if p.requires_grad] if reduce_grads and self.sp_degree > 1 else []
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -172,12 +174,6 @@ class SequenceParallel(nn.Module):
             yield
         finally:
             self.state.graph_hooks.remove(hook)
-
-    def _reduce_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        # Each rank back-propagated its own tokens: the sum over the SP group is the full gradient.
-        g = grad.clone()
-        dist.all_reduce(g, group=self.group)
-        return g
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind_partial(*args, **kwargs)
@@ -200,7 +196,7 @@ class SequenceParallel(nn.Module):
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
         # Python ints stay constants (e.g. HF's logits_to_keep=0 must read as "keep all").
         with unpacked_positions(self._is_hf and "position_ids" not in named), \
-                torch._dynamo.config.patch(specialize_int=True):
+                torch._dynamo.config.patch(specialize_int=True), _own_errors():
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
         if padded_len == seq_len or self.state.local_outputs:
@@ -215,8 +211,9 @@ class SequenceParallel(nn.Module):
         if plan is None:                 # planning failed (already reported): keep the default choice
             self.plan_provider = None
             return
-        strategies = plan.strategy_per_layer()
-        self.config.strategy, self.config.layout = strategies, _layout_for(strategies, plan.layout)
+        chosen = plan.strategy()
+        strategies = [chosen] if isinstance(chosen, str) else chosen
+        self.config.strategy, self.config.layout = chosen, _layout_for(strategies, plan.layout)
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         _set_up(self.config, strategies)
         self.plan = plan
@@ -244,9 +241,32 @@ class SequenceParallel(nn.Module):
             raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "
                               f"(found: {found}); build the model with attn_implementation='sdpa' or call "
                               "F.scaled_dot_product_attention")
+        planned = self.config.strategy
+        if not isinstance(planned, str) and len(planned) != self.state.attention_ops:
+            raise AutospError(
+                f"{len(planned)} per-layer strategies were given but the compiled graphs hold "
+                f"{self.state.attention_ops} attention ops (a graph break can make one compiled frame serve several "
+                "layers); give one strategy for every layer, or remove the graph break")
         if padded and self.state.unmasked_noncausal:
             raise AutospError("padding a non-causal attention without a mask would change results; pass an "
                               "attention_mask or a sequence length divisible by the SP degree")
+
+
+@contextlib.contextmanager
+def _own_errors() -> Iterator[None]:
+    """An AutospError raised while compiling reaches the user as itself, not wrapped in Dynamo's
+    BackendCompilerFailed with its boilerplate, so ``except autosp.AutospError`` catches it."""
+    try:
+        yield
+    except AutospError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless an AutospError is inside
+        inner: BaseException | None = e
+        while inner is not None and not isinstance(inner, AutospError):
+            inner = inner.__cause__ or inner.__context__
+        if inner is None:
+            raise
+        raise AutospError(str(inner)) from None
 
 
 def _pad_seq(t: torch.Tensor, name: str, length: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ backend="autosp", dynamic=True)`` uses the default process group and Ulysses.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -28,6 +29,7 @@ class BackendState:
     # Entered around every run of a compiled graph: how measurement tools (the memory probe)
     # see inside compiled code, which runs no Python dispatch mode entered outside it.
     graph_hooks: list[Callable[[], ContextManager]] = field(default_factory=list)
+    said: set[str] = field(default_factory=set)          # one-time warnings already given
 
     @property
     def strategies(self) -> list[str]:
@@ -69,6 +71,7 @@ class SPConfig:
     layout: str = "contiguous"
     gather_outputs: bool | None = None
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
+    reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -83,6 +86,21 @@ def _with_hooks(fn: Callable, state: BackendState) -> Callable:
     return run
 
 
+def _say_once(state: BackendState, report: ShardReport) -> None:
+    """What makes a step exact but not what the user may expect: said once per model."""
+    if report.replicated_params and "replicated" not in state.said:
+        state.said.add("replicated")
+        warnings.warn(f"a graph break leaves the graph starting at {report.starts_at} without attention: it runs "
+                      f"unsharded on every rank, on the full sequence ({report.replicated_params} parameters; "
+                      "results stay exact, but that part saves no memory); torch._dynamo.explain(model)(...) "
+                      "shows why the graph breaks", stacklevel=2)
+    if report.dropout_at and "dropout" not in state.said:
+        state.said.add("dropout")
+        warnings.warn(f"attention dropout ({report.dropout_at[0]}): under SP each rank draws its own dropout masks, "
+                      "so a step matches one device in distribution, not bit for bit; set attention dropout to 0 "
+                      "for exact results", stacklevel=2)
+
+
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
     group = config.group
@@ -91,10 +109,12 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         ctx = ShardContext(
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
             strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
-            runtime=config.runtime, attention_offset=state.attention_ops)
+            runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
-        state.reports.append(shard_graph(gm, example_inputs, ctx))
+        report = shard_graph(gm, example_inputs, ctx)
+        state.reports.append(report)
+        _say_once(state, report)
         return _with_hooks(gm.forward, state)
 
     backend.state = state  # type: ignore[attr-defined]

@@ -23,6 +23,10 @@ Propagation, in graph order:
     divided by the SP degree;
   * everything else stays R (masks, rotary tables, label shifting: cheap,
     computed on the full sequence, sliced where used).
+  * with ``reduce_grads``, every input that requires grad (parameters,
+    ``inputs_embeds``, outputs of an earlier graph) enters through ``sum_grad``:
+    gradients leave the graph full, the convention of
+    :mod:`autosp.transform.replicated`; a graph with no attention runs replicated.
   * graph outputs that are S are all-gathered when the graph computes no loss,
     so the next graph (a loss after a graph break) sees single-device shapes;
     next to a loss they stay this rank's tokens unless ``gather_outputs=True``.
@@ -48,6 +52,7 @@ from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy
+from autosp.transform.replicated import sum_grad
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 CE_TARGETS = {F.cross_entropy}
@@ -72,6 +77,9 @@ class ShardContext:
     # runtime keyword arguments per strategy spec (process groups), from Strategy.setup
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention_offset: int = 0             # attention ops seen in earlier graphs
+    # True: gradients leaving a sharded graph (parameters', inputs') are summed over the group
+    # inside it, so every rank holds full gradients; False: they stay this rank's partial sums.
+    reduce_grads: bool = False
     # all-gather sharded graph outputs: True, False, or None = only in graphs that compute no
     # loss (a loss after a graph break needs full logits; a 128k x 128k-vocab logits tensor
     # gathered next to the loss would cost every rank the memory SP exists to save)
@@ -87,6 +95,9 @@ class ShardReport:
     global_reductions: int = 0
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     local_outputs: int = 0
+    replicated_params: int = 0        # parameters read by this graph while it runs unsharded
+    dropout_at: list[str] = field(default_factory=list)      # attention ops with dropout
+    starts_at: str = ""               # where the graph's first op comes from (for messages)
 
 
 def _name(n: fx.Node) -> str:
@@ -113,10 +124,15 @@ class Sharder:
         self.slices: dict[tuple[fx.Node, int], fx.Node] = {}
         self.local_len: dict[fx.Node, fx.Node] = {}
         self.params: set[fx.Node] = set()
+        self.with_grad: list[fx.Node] = []          # inputs that require grad
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         for n, ex in zip(placeholders, example_inputs):
             if isinstance(ex, torch.nn.Parameter):
                 self.params.add(n)
+            if isinstance(ex, torch.Tensor) and ex.requires_grad:
+                self.with_grad.append(n)
+        first = next((n for n in self.graph.nodes if n.op == "call_function"), None)
+        self.report.starts_at = _where(first) if first is not None else "an empty graph"
 
     # ------------------------------------------------------------------ sequence symbol
     def find_seq_symbols(self, attn: list[fx.Node]) -> set[sympy.Symbol]:
@@ -148,7 +164,10 @@ class Sharder:
     def run(self) -> ShardReport:
         attn = [n for n in self.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
         if not attn:
-            return self.report
+            return self._replicated()
+        if self.ctx.reduce_grads:       # gradients leave whole (summed over the group), not as this rank's share
+            self._route_inputs(self.with_grad, sum_grad, self.ctx.group_name)
+        self._no_baked_parameters()
         self.syms = self.find_seq_symbols(attn)
         self.full_len = self._full_len_node()
         for n in list(self.graph.nodes):
@@ -169,6 +188,39 @@ class Sharder:
         self.graph.lint()
         self.gm.recompile()
         return self.report
+
+    def _replicated(self) -> ShardReport:
+        """No attention: every rank runs this graph on the same full tensors and, under the full
+        convention, gets full gradients as they are. Under the partial convention a parameter read
+        here would count P times in the caller's sum: refused, naming where the graph starts."""
+        params = [n for n in self.with_grad if n in self.params]
+        self.report.replicated_params = len(params)
+        if params and self.ctx.world > 1 and not self.ctx.reduce_grads:
+            raise AutospError(
+                f"a graph break leaves {len(params)} parameters in a graph without attention (starting at "
+                f"{self.report.starts_at}); with reduce_grads=False their gradients cannot stay partial sums: use "
+                "autosp.compile(model) with reduce_grads=True, or remove the graph break")
+        return self.report
+
+    def _no_baked_parameters(self) -> None:
+        """A parameter read as a graph constant (get_attr) would escape the gradient sum."""
+        for n in self.graph.nodes:
+            if n.op == "get_attr":
+                v = getattr(self.gm, str(n.target), None)
+                if isinstance(v, torch.nn.Parameter) and v.requires_grad:
+                    raise AutospError(f"parameter {n.target} is baked into the compiled graph as a constant; "
+                                      "autosp needs parameters as graph inputs (keep torch._dynamo.config."
+                                      "inline_inbuilt_nn_modules=True, the default)")
+
+    def _route_inputs(self, inputs: list[fx.Node], fn: Any, *extra: Any) -> None:
+        """Send every use of these placeholders through ``fn(input, *extra)``."""
+        after = [n for n in self.graph.nodes if n.op == "placeholder"][-1] if inputs else None
+        for p in inputs:
+            with self.graph.inserting_after(after):
+                b = self.graph.call_function(fn, (p, *extra))
+            b.meta = dict(p.meta)
+            p.replace_all_uses_with(b, delete_user_cb=lambda user, b=b: user is not b)
+            after = b
 
     def _full_len_node(self) -> fx.Node:
         """A node holding the global sequence length, read off a replicated input at run time."""
@@ -245,6 +297,9 @@ class Sharder:
             raise AutospError(f"the attention mask at {_where(n)} is computed from sharded activations; "
                               "build it from the inputs (ids, positions, attention_mask)")
         is_causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+        dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
+        if isinstance(dropout, fx.Node) or dropout:
+            self.report.dropout_at.append(f"p={dropout if not isinstance(dropout, fx.Node) else '?'} at {_where(n)}")
         if mask is None and not is_causal:
             self.report.unmasked_noncausal = True
         qv, kv = _val(q), _val(k)
