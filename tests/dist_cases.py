@@ -82,13 +82,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
-                  strategy: str = "auto", plan: Any = None, **cfg: Any) -> dict[str, Any]:
+                  strategy: str = "auto", plan: Any = None, compiler: str = "eager", **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
-    sp = autosp.compile(sp_model, strategy=strategy, plan=plan)
+    sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     for step in range(steps):
         ids, labels = _batch(step, batch, seq_len, uneven)

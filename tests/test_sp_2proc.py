@@ -150,3 +150,13 @@ def test_what_is_exact_but_not_expected_is_said_once(pool):
     assert sum("attention dropout (p=" in w and "not bit for bit" in w for w in drop) == 1, drop
     (brk, *_r) = run_ok(pool, "warnings_of", kind="reference_break")
     assert sum("graph break" in w and "runs unsharded on every rank" in w for w in brk) == 1, brk
+
+
+@pytest.mark.parametrize("kind,strategy,compiler", [
+    ("llama", "ulysses", "inductor"), ("reference", "ring", "aot_eager"), ("reference", "allgather_kv", "aot_eager"),
+    ("reference_break", "zigzag_ring", "aot_eager")])
+def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compiler):
+    # The collectives, the ring and blockwise kernels and their backwards are custom ops that
+    # AOTAutograd traces; a graph break leaves a replicated graph compiled the same way.
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, compiler=compiler, steps=2)
+    check_exact(res, [strategy] * (1 if kind == "reference_break" else 2))

@@ -73,3 +73,8 @@ def test_graph_break_between_sharded_layers_is_exact(pool, strategy):
 @pytest.mark.parametrize("strategy", ["ulysses", "hybrid:2x2"])
 def test_inputs_embeds_from_an_upstream_module_get_full_gradients(pool, strategy):
     check_inputs_embeds(pool, strategy)
+
+
+def test_compiled_path_hybrid_on_four_ranks(pool):
+    check_exact(run_ok(pool, "train_compare", kind="reference", strategy="hybrid:2x2", compiler="aot_eager",
+                       steps=2), ["hybrid:2x2"] * 2)

@@ -14,7 +14,7 @@ from torch import Tensor
 from autosp.strategies import AttentionCost, AttentionShape, SPMesh, Strategy, Transfer, register
 from autosp.strategies.base import blockwise_kernel_calls
 from autosp.strategies.blockwise import chunked_attention
-from autosp.strategies.collectives import all_gather, group_size, resolve_group
+from autosp.strategies.collectives import all_gather, all_reduce_sum, group_size, resolve_group
 from autosp.strategies.layout import all_chunks, rank_chunks
 from autosp.strategies.ring import masked_illegal, no_mask_or_dropout, softmax_scale
 
@@ -39,8 +39,7 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: Tensor):
     pg = resolve_group(ctx.group_name)
-    total = grad.contiguous().clone()
-    dist.all_reduce(total, group=pg)
+    total = all_reduce_sum(grad.contiguous(), ctx.group_name)     # a custom op: traceable by AOTAutograd
     n = grad.shape[ctx.dim] // dist.get_world_size(pg)
     return total.narrow(ctx.dim, dist.get_rank(pg) * n, n), None, None
 

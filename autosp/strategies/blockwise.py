@@ -130,28 +130,40 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_c
     return acc[0].to(q.dtype), acc[1]
 
 
-def register_blockwise(op: Any, names: tuple[str, ...], backward: Any) -> None:
-    """Fake kernel and autograd of a blockwise attention op ``(q, k, v, *rest) -> (out, lse)``:
-    the fake returns ``out`` like q and an fp32 ``lse``; setup keeps q, k, v, out, lse and the
-    non-tensor arguments under ``names`` for ``backward``."""
+def register_blockwise(op: Any, names: tuple[str, ...], backward_op: Any) -> None:
+    """Fake kernels and autograd of a blockwise attention op ``(q, k, v, *rest) -> (out, lse)``
+    whose backward is the custom op ``backward_op(dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)``.
+
+    Both directions are opaque custom ops, so AOTAutograd traces through them (their
+    collectives never enter a graph); fakes are contiguous, as the real kernels return."""
     def fake(q: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
-        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
 
     def setup(ctx, inputs, output) -> None:
         for name, value in zip(names, inputs[3:]):
             setattr(ctx, name, value)
         ctx.save_for_backward(*inputs[:3], output[0], output[1])
 
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = backward_op(dout.contiguous(), q, k, v, out, lse, *(getattr(ctx, n) for n in names))
+        return (*grads, *([None] * len(names)))
+
+    def fake_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
     op.register_fake(fake)
+    backward_op.register_fake(fake_backward)
     op.register_autograd(backward, setup_context=setup)
 
 
-def _ca_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+@torch.library.custom_op("autosp::chunked_attention_backward", mutates_args=())
+def chunked_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               q_chunks: list[int], kv_chunks: list[int], causal: bool,
+                               scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc_dtype(t), device=t.device) for t in (q, k, v))
-    attend_backward(dout.to(q.dtype), q, k, v, out, lse, ctx.q_chunks, ctx.kv_chunks, ctx.causal, ctx.scale,
-                    dq, dk, dv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+    attend_backward(dout.to(q.dtype), q, k, v, out, lse, q_chunks, kv_chunks, causal, scale, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-register_blockwise(chunked_attention, ("q_chunks", "kv_chunks", "causal", "scale"), _ca_backward)
+register_blockwise(chunked_attention, ("q_chunks", "kv_chunks", "causal", "scale"), chunked_attention_backward)

@@ -134,18 +134,31 @@ def _(x: Tensor, dim: int, group_name: str) -> Tensor:
     return x.new_empty(shape)
 
 
-def _agrs_backward(ctx, grad: Tensor):
-    pg = resolve_group(ctx.group_name)
+@torch.library.custom_op("autosp::reduce_scatter_sum", mutates_args=())
+def reduce_scatter_sum(x: Tensor, dim: int, group_name: str) -> Tensor:
+    """Sum ``x`` over the group and keep this rank's ``1/P`` slice along ``dim``."""
+    pg = resolve_group(group_name)
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
-    n = grad.shape[ctx.dim] // p
+    n = x.shape[dim] // p
     if dist.get_backend(pg) == "nccl":
-        parts = torch.stack(grad.chunk(p, dim=ctx.dim)).contiguous()
+        parts = torch.stack(x.chunk(p, dim=dim)).contiguous()
         out = torch.empty_like(parts[0])
         dist.reduce_scatter_tensor(out, parts, group=pg)
-        return out, None, None
-    total = grad.contiguous().clone()          # gloo has no reduce-scatter: all-reduce, keep ours
+        return out
+    total = x.contiguous().clone()             # gloo has no reduce-scatter: all-reduce, keep ours
     dist.all_reduce(total, group=pg)
-    return total.narrow(ctx.dim, r * n, n), None, None
+    return total.narrow(dim, r * n, n).contiguous()
+
+
+@reduce_scatter_sum.register_fake
+def _(x: Tensor, dim: int, group_name: str) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // group_size(group_name)
+    return x.new_empty(shape)
+
+
+def _agrs_backward(ctx, grad: Tensor):
+    return reduce_scatter_sum(grad, ctx.dim, ctx.group_name), None, None
 
 
 all_gather_rs.register_autograd(_agrs_backward, setup_context=_ag_setup)

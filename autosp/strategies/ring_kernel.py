@@ -64,11 +64,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causa
     return ring_forward(q, k, v, all_chunks, causal, scale, resolve_group(group_name))
 
 
-def _ring_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = ring_backward(dout, q, k, v, out, lse, ctx.all_chunks, ctx.causal, ctx.scale,
-                          resolve_group(ctx.group_name))
-    return (*grads, None, None, None, None)
+@torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
+def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            all_chunks: list[int], causal: bool, scale: float,
+                            group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    return ring_backward(dout, q, k, v, out, lse, all_chunks, causal, scale, resolve_group(group_name))
 
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, all_chunks: list[int],
@@ -97,4 +97,4 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-register_blockwise(ring_attention, ("all_chunks", "causal", "scale", "group_name"), _ring_backward)
+register_blockwise(ring_attention, ("all_chunks", "causal", "scale", "group_name"), ring_attention_backward)

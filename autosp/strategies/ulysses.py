@@ -76,7 +76,7 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
         per = n_heads // world
         attn_mask = attn_mask.narrow(-3, rank * per, per)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                         scale=scale, enable_gqa=enable_gqa and q.shape[-3] != k.shape[-3])
+                                         scale=scale, enable_gqa=bool(enable_gqa and q.shape[-3] != k.shape[-3]))
     if reorder:
         out = to_rank_order(out, out.dim() - 2, layout, world)
     return heads_to_seq(out, group_name)

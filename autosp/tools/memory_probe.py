@@ -97,3 +97,43 @@ def step_peak(model: object, forward: Callable[[], torch.Tensor]) -> tuple[torch
     with probe:
         loss.backward()
     return loss, probe.peak
+
+
+class RssPeak:
+    """Peak resident memory of this process above its level at entry, sampled every ``interval``
+    seconds by a thread: what the OS sees, for code whose allocations bypass the dispatcher
+    (Inductor's kernels). Run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks go back to
+    the OS and the level at entry is the steady state."""
+
+    def __init__(self, interval: float = 0.0005):
+        self.interval = interval
+        self.peak = 0
+
+    @staticmethod
+    def _rss() -> int:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "RssPeak":
+        import threading
+
+        self._base = self._rss()
+        self._top = self._base
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.is_set():
+                self._top = max(self._top, self._rss())
+                self._stop.wait(self.interval)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._top = max(self._top, self._rss())
+        self.peak = self._top - self._base

@@ -27,14 +27,14 @@ from autosp.errors import AutospError
 from autosp.graph.hf_compat import is_hf_model, unpacked_positions
 from autosp.strategies import AUTO, check_spec, required_layout, resolve
 from autosp.strategies.layout import check_layout, n_chunks
-from autosp.transform.backend import BackendState, SPConfig, make_backend
+from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
 
 _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
-            gather_outputs: bool | None = None, plan: Any = None) -> nn.Module:
+            gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager") -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -53,6 +53,11 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     loss: a model called with labels returns the global loss and this rank's logits (full
     logits at 128k tokens would cost every rank what SP saves), one called without labels,
     or whose loss follows a graph break, returns full logits.
+    ``compiler``: how each sharded graph runs: ``"eager"`` (the graph as traced, the default
+    while the compiled path matures), ``"aot_eager"`` (AOTAutograd traces forward and backward)
+    or ``"inductor"`` (AOTAutograd + Inductor: fused kernels, cheap ops recomputed in backward;
+    on ``bench/compilers.py`` 8% faster and 16% less memory per step than eager, after a
+    first step that compiles for about 50 s on a 2-core CPU).
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree, token layout and per-layer strategies are applied; a plan made for another
     world size, sequence length or model is refused.
@@ -74,6 +79,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         check_spec(st)
+    compiler = check_compiler(compiler)
+    layout = _layout_for(strategies, layout)
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1) or group is not None:
             raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
@@ -85,9 +92,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         group = _sp_group(sp_size)
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
-    layout = _layout_for(strategies, layout)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
-                      reduce_grads=reduce_grads)
+                      reduce_grads=reduce_grads, compiler=compiler)
     _set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.plan = the_plan

@@ -8,6 +8,7 @@ backend="autosp", dynamic=True)`` uses the default process group and Ulysses.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
@@ -72,6 +73,7 @@ class SPConfig:
     gather_outputs: bool | None = None
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
     reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
+    compiler: str = "eager"             # what runs each sharded graph: see compile_graph
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -101,6 +103,33 @@ def _say_once(state: BackendState, report: ShardReport) -> None:
                       "for exact results", stacklevel=2)
 
 
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+def check_compiler(name: str) -> str:
+    """The compiler to use for ``name``: Inductor needs a C++ compiler on CPU (else aot_eager, said once)."""
+    if name not in COMPILERS:
+        raise AutospError(f"unknown compiler '{name}'; use one of {', '.join(COMPILERS)}")
+    if name == "inductor" and not torch.cuda.is_available() and not any(
+            shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        warnings.warn("no C++ compiler found for Inductor on this CPU machine; autosp compiles with "
+                      "compiler='aot_eager' instead (install g++ for fused kernels)", stacklevel=3)
+        return "aot_eager"
+    return name
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str) -> Callable:
+    """Compile a sharded graph: ``eager`` runs it as is (autograd saves what eager saves);
+    ``aot_eager`` traces forward and backward with AOTAutograd (the collectives and attention
+    kernels are custom ops with fake kernels and registered autograd); ``inductor`` also fuses
+    and recomputes cheap ops in backward (the min-cut partitioner)."""
+    if compiler == "eager":
+        return gm.forward
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(compiler)(gm, example_inputs)
+
+
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
     group = config.group
@@ -114,8 +143,13 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)
         state.reports.append(report)
+        try:
+            compiled = compile_graph(gm, example_inputs, config.compiler)
+        except torch._dynamo.exc.RestartAnalysis:
+            state.reports.remove(report)      # Dynamo traces the frame again and calls us anew
+            raise
         _say_once(state, report)
-        return _with_hooks(gm.forward, state)
+        return _with_hooks(compiled, state)
 
     backend.state = state  # type: ignore[attr-defined]
     return backend
