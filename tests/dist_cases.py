@@ -82,13 +82,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
-                  strategy: str = "auto", plan: Any = None, compiler: str = "eager", **cfg: Any) -> dict[str, Any]:
+                  strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
+                  **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
-    sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler)
+    kw = {} if plan is not None else {"checkpoint": checkpoint}
+    sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     for step in range(steps):
         ids, labels = _batch(step, batch, seq_len, uneven)
@@ -309,3 +311,15 @@ def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any
         warnings.simplefilter("always")
         _loss(sp, kind, ids, labels).backward()
     return [str(w.message) for w in caught if "autosp" in w.filename or "SP" in str(w.message)]
+
+
+def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses") -> dict[str, Any]:
+    """Peak step memory (allocator view) of tiny Llama per checkpointing mode, and its losses."""
+    from autosp.tools.validation import measure_step, tiny_model
+
+    out = {}
+    for mode in ("none", "selective", "full"):
+        torch._dynamo.reset()
+        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode), seq_len)
+        out[mode] = {"peak": m["peak"], "loss": m["loss"]}
+    return out

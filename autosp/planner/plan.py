@@ -100,3 +100,8 @@ class Plan:
         per attention layer."""
         per_layer = self.strategy_per_layer()
         return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+    def checkpoint(self) -> str | list[str]:
+        """Activation checkpointing to apply: one mode for every layer, or one per layer."""
+        per_layer = [layer["checkpoint"] for layer in self.layers for _ in range(layer["count"])]
+        return per_layer[0] if len(set(per_layer)) == 1 else per_layer

@@ -24,17 +24,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autosp.errors import AutospError
+from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import is_hf_model, unpacked_positions
 from autosp.strategies import AUTO, check_spec, required_layout, resolve
 from autosp.strategies.layout import check_layout, n_chunks
 from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
+from autosp.transform.checkpointing import check_modes
 
 _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
-            gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager") -> nn.Module:
+            gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
+            checkpoint: str | Sequence[str] = "none") -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -58,6 +61,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     or ``"inductor"`` (AOTAutograd + Inductor: fused kernels, cheap ops recomputed in backward;
     on ``bench/compilers.py`` 8% faster and 16% less memory per step than eager, after a
     first step that compiles for about 50 s on a 2-core CPU).
+    ``checkpoint``: activation checkpointing, ``"none"``, ``"selective"`` (recompute cheap ops,
+    keep matmul, attention and collective outputs) or ``"full"`` (keep each layer's input), or a
+    list with one per transformer layer; a plan's choice per layer class is applied.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree, token layout and per-layer strategies are applied; a plan made for another
     world size, sequence length or model is refused.
@@ -69,17 +75,14 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     if the_plan is not None:
         if dist.is_available() and dist.is_initialized():
             the_plan.check(world_size=dist.get_world_size())
-        strategy, layout = the_plan.strategy(), the_plan.layout
+        strategy, layout, checkpoint = the_plan.strategy(), the_plan.layout, the_plan.checkpoint()
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
-        ckpt = {layer["checkpoint"] for layer in the_plan.layers} - {"none"}
-        if ckpt:
-            warnings.warn(f"the plan asks for {'/'.join(sorted(ckpt))} activation checkpointing, which autosp does "
-                          "not apply yet: wrap the layers with torch.utils.checkpoint, or plan with checkpointing "
-                          "off; memory will exceed the plan's prediction otherwise", stacklevel=2)
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         check_spec(st)
     compiler = check_compiler(compiler)
+    checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
+    check_modes(checkpoint)
     layout = _layout_for(strategies, layout)
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1) or group is not None:
@@ -93,7 +96,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
-                      reduce_grads=reduce_grads, compiler=compiler)
+                      reduce_grads=reduce_grads, compiler=compiler, checkpoint=checkpoint,
+                      layer_paths=_layer_paths(model))
     _set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.plan = the_plan
@@ -132,6 +136,12 @@ def _set_up(config: SPConfig, strategies: list[str]) -> None:
             strat = resolve(st)
             if strat.spec not in config.runtime:
                 config.runtime[strat.spec] = strat.setup(config.group)
+
+
+def _layer_paths(model: nn.Module) -> list[str]:
+    """Qualified names of the model's transformer layers, in order (where checkpointing cuts)."""
+    blocks = {id(b) for b in find_blocks(model)}
+    return [name for name, m in model.named_modules() if id(m) in blocks]
 
 
 def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
@@ -220,6 +230,7 @@ class SequenceParallel(nn.Module):
         chosen = plan.strategy()
         strategies = [chosen] if isinstance(chosen, str) else chosen
         self.config.strategy, self.config.layout = chosen, _layout_for(strategies, plan.layout)
+        self.config.checkpoint = plan.checkpoint()
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         _set_up(self.config, strategies)
         self.plan = plan

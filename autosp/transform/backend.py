@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.errors import AutospError
+from autosp.transform.checkpointing import apply_checkpointing
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 
 
@@ -74,6 +75,8 @@ class SPConfig:
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
     reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
     compiler: str = "eager"             # what runs each sharded graph: see compile_graph
+    checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
+    layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -130,6 +133,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str) 
     return lookup_backend(compiler)(gm, example_inputs)
 
 
+def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
+    modes = config.checkpoint
+
+    def mode_of(layer: int) -> str:
+        return modes if isinstance(modes, str) else modes[layer]
+
+    if config.compiler != "eager":
+        raise AutospError(f"activation checkpointing is applied with compiler='eager' only so far, not "
+                          f"'{config.compiler}'; pass compiler='eager' or checkpoint='none'")
+    return apply_checkpointing(gm, config.layer_paths, mode_of)
+
+
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
     group = config.group
@@ -143,6 +158,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)
         state.reports.append(report)
+        if config.checkpoint != "none" and report.attention:
+            gm = _checkpointed(gm, config)
         try:
             compiled = compile_graph(gm, example_inputs, config.compiler)
         except torch._dynamo.exc.RestartAnalysis:

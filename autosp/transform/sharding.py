@@ -111,6 +111,12 @@ def _where(n: fx.Node) -> str:
     return lines[-1] if lines else f"graph node {n.name}"
 
 
+def _inserted_meta(source: fx.Node) -> dict[str, Any]:
+    """Meta of a node the pass inserts after ``source``: its values, not its module (a node's
+    module says which transformer layer it belongs to; inserted nodes belong where they stand)."""
+    return {k: v for k, v in source.meta.items() if k != "nn_module_stack"}
+
+
 def _val(n: Any) -> Any:
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
@@ -218,7 +224,7 @@ class Sharder:
         for p in inputs:
             with self.graph.inserting_after(after):
                 b = self.graph.call_function(fn, (p, *extra))
-            b.meta = dict(p.meta)
+            b.meta = _inserted_meta(p)
             p.replace_all_uses_with(b, delete_user_cb=lambda user, b=b: user is not b)
             after = b
 
@@ -417,7 +423,7 @@ class Sharder:
             with self.graph.inserting_after(a if a.op != "placeholder" else self._last_placeholder()):
                 s = self.graph.call_function(slice_seq, (a, dims[0], self.full_len, self.ctx.rank, self.ctx.world,
                                                          self.ctx.layout))
-            s.meta = dict(a.meta)
+            s.meta = _inserted_meta(a)
             self.place[s] = dims
             self.slices[key] = s
         return self.slices[key]
