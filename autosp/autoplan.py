@@ -5,8 +5,8 @@ and the profile of the machine (``cpu-gloo`` on CPU; the H100/H200/A100 profile 
 those GPUs); the plan is broadcast to the other ranks and cached on disk by model
 fingerprint, world size, sequence length and profile (``$XDG_CACHE_HOME/autosp/plans``),
 so a restarted job skips planning. The SP degree is the group's; the planner picks
-the attention strategy per layer and the token layout. Activation checkpointing is
-not applied by the transform yet, so these plans are made without it.
+the attention strategy per layer and the token layout with no memory limit, so without
+checkpointing (``autosp.compile(checkpoint=...)`` applies it when memory is short).
 """
 
 from __future__ import annotations
