@@ -116,6 +116,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["param_err"] = _rel(flat(sp_model), flat(ref))
     out["attention_ops"] = sp.state.attention_ops
     out["strategies"] = sp.state.strategies          # the spec that ran, per attention op
+    out["report"] = sp.report().as_dict()            # of the last step: collectives, tokens per rank
     out["graphs"] = len(sp.state.reports)
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None

@@ -21,6 +21,28 @@ def run_ok(pool, case, **kw):
     return [v for _, v in results]
 
 
+def expected_collectives(strategy: str, world: int, ops: int = 2) -> dict[str, int]:
+    """What one training step (forward + backward) must issue per strategy, besides the all-reduces
+    of the loss and the gradients, for ``ops`` attention ops on ``world`` ranks."""
+    if strategy == "ulysses":
+        return {"all_to_all": 8 * ops}                  # q, k, v in and the output back; their grads
+    if strategy in ("ring", "zigzag_ring"):             # P-1 K/V hops forward, P-1 backward, P dK/dV hops
+        return {"send_recv": (3 * world - 2) * ops}
+    if strategy == "allgather_kv":
+        return {"all_gather": 2 * ops, "reduce_scatter": 2 * ops}
+    u, r = (int(x) for x in strategy.split(":")[1].split("x"))     # hybrid:UxR
+    return {"all_to_all": 8 * ops, "send_recv": (3 * r - 2) * ops}
+
+
+def check_ran(r, strategy: str, world: int, ops: int = 2) -> None:
+    """The report pins what ran: the strategy per op, the tokens each rank held, the collectives."""
+    rep = r["report"]
+    assert [a["strategy"] for a in rep["attention"]] == [strategy] * ops, rep
+    assert all(a["tokens_per_rank"] * world == rep["padded_len"] for a in rep["attention"]), rep
+    issued = {k: v["calls"] for k, v in rep["collectives"].items() if k != "all_reduce"}
+    assert issued == expected_collectives(strategy, world, ops), (strategy, issued)
+
+
 def check_exact(res, strategies=None):
     """Exact against one process; ``strategies``: the spec that must have run on each attention op."""
     for r in res:
@@ -36,7 +58,10 @@ def check_exact(res, strategies=None):
                                       ("reference", dict(heads=4, kv=2))])
 def test_ulysses_matches_single_device(pool, kind, cfg):
     # "auto" takes Ulysses when the heads split: 4 heads on 2 ranks, both layers.
-    check_exact(run_ok(pool, "train_compare", kind=kind, **cfg), ["ulysses"] * 2)
+    res = run_ok(pool, "train_compare", kind=kind, **cfg)
+    check_exact(res, ["ulysses"] * 2)
+    if kind != "gpt2":          # GPT-2's loss follows a graph break: its logits are all-gathered too
+        check_ran(res[0], "ulysses", world=2)
 
 
 def test_uneven_ignored_labels_and_odd_length(pool):
@@ -65,7 +90,10 @@ def test_logits_local_next_to_a_loss_full_otherwise(pool):
 @pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv"])
 @pytest.mark.parametrize("kind", ["llama", "reference"])
 def test_other_strategies_match_single_device(pool, strategy, kind):
-    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2), [strategy] * 2)
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2)
+    check_exact(res, [strategy] * 2)
+    for r in res:
+        check_ran(r, strategy, world=2)
 
 
 def test_mixed_strategies_per_layer(pool):

@@ -3,7 +3,7 @@
 import pytest
 
 from dist_harness import Pool
-from test_sp_2proc import check_exact, check_graph_break, check_inputs_embeds, run_ok
+from test_sp_2proc import check_exact, check_graph_break, check_inputs_embeds, check_ran, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,10 @@ def test_heads_that_ulysses_cannot_split(pool):
 @pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"])
 @pytest.mark.parametrize("kind", ["llama", "reference"])
 def test_other_strategies_match_single_device(pool, strategy, kind):
-    check_exact(run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2), [strategy] * 2)
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2)
+    check_exact(res, [strategy] * 2)
+    for r in res:
+        check_ran(r, strategy, world=4)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "hybrid:2x2", "auto"])

@@ -17,9 +17,23 @@ all-reduce over the SP group completes.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+
+# Collectives issued by this process, by (group name, kind): [calls, bytes this rank sent].
+# Always on (one dict update per call, at run time only: fake kernels do not count); the
+# SP model's report() reads what one step issued.
+TALLY: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+
+def tally(kind: str, group_name: str, *sent: Tensor) -> None:
+    entry = TALLY[(group_name, kind)]
+    entry[0] += 1
+    entry[1] += sum(t.numel() * t.element_size() for t in sent)
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -41,6 +55,7 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) ->
     pg = resolve_group(group_name)
     p = dist.get_world_size(pg)
     send = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()
+    tally("all_to_all", group_name, send)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=pg)
     return torch.cat(recv.unbind(0), dim=gather_dim)
@@ -70,6 +85,7 @@ all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 @torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    tally("all_reduce", group_name, x)
     out = x.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
     return out
@@ -91,8 +107,13 @@ all_reduce_sum.register_autograd(_ar_backward, setup_context=lambda ctx, inputs,
 
 @torch.library.custom_op("autosp::all_gather", mutates_args=())
 def all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
+    return _gather(x, dim, group_name)
+
+
+def _gather(x: Tensor, dim: int, group_name: str) -> Tensor:
     pg = resolve_group(group_name)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+    tally("all_gather", group_name, x)
     dist.all_gather(parts, x.contiguous(), group=pg)
     return torch.cat(parts, dim=dim)
 
@@ -124,7 +145,7 @@ all_gather.register_autograd(_ag_backward, setup_context=_ag_setup)
 def all_gather_rs(x: Tensor, dim: int, group_name: str) -> Tensor:
     """All-gather whose backward *sums* the gradient shards (every rank used the gathered
     tensor, e.g. gathered K/V read by each rank's queries)."""
-    return all_gather(x, dim, group_name)
+    return _gather(x, dim, group_name)
 
 
 @all_gather_rs.register_fake
@@ -140,6 +161,7 @@ def reduce_scatter_sum(x: Tensor, dim: int, group_name: str) -> Tensor:
     pg = resolve_group(group_name)
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     n = x.shape[dim] // p
+    tally("reduce_scatter", group_name, x)
     if dist.get_backend(pg) == "nccl":
         parts = torch.stack(x.chunk(p, dim=dim)).contiguous()
         out = torch.empty_like(parts[0])

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from autosp.strategies.blockwise import (acc_dtype, attend_backward, attend_forward, new_accumulator,
                                         register_blockwise)
-from autosp.strategies.collectives import resolve_group
+from autosp.strategies.collectives import resolve_group, tally
 
 
 def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
@@ -29,6 +29,7 @@ def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     nxt, prv = dist.get_global_rank(pg, (r + 1) % p), dist.get_global_rank(pg, (r - 1) % p)
     recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    tally("send_recv", pg.group_name, *tensors)
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, pg) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, pg) for t in recv]
     return recv, dist.batch_isend_irecv(ops)

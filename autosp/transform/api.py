@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import is_hf_model, unpacked_positions
-from autosp.strategies import AUTO, check_spec, required_layout, resolve
+from autosp.strategies import AUTO, SPMesh, check_spec, required_layout, resolve
+from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, n_chunks
 from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
 from autosp.transform.checkpointing import check_modes
+from autosp.transform.report import AttentionRow, SPReport
 
 _PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
@@ -179,6 +181,30 @@ class SequenceParallel(nn.Module):
         self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
 
+    def report(self) -> SPReport:
+        """What autosp did to this model: per attention op and, for the last step (since its
+        forward began), the collectives issued and the padding added."""
+        step = getattr(self, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
+        mesh = SPMesh(self.sp_degree, self.config.layout)
+        modes = self.config.checkpoint
+        rows = []
+        for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
+            u, r = resolve(spec).grid(mesh)
+            rows.append(AttentionRow(
+                index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
+                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
+                checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"))
+        groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
+        counts: dict[str, dict[str, int]] = {}
+        for (group, kind), (calls, sent) in TALLY.items():
+            before = step["tally"].get((group, kind), (0, 0))
+            if group in groups and calls > before[0]:
+                c = counts.setdefault(kind, {"calls": 0, "bytes": 0})
+                c["calls"] += calls - before[0]
+                c["bytes"] += sent - before[1]
+        return SPReport(sp_degree=self.sp_degree, seq_len=step["seq_len"], padded_len=step["padded_len"],
+                        compiled_graphs=len(self.state.reports), attention=rows, collectives=counts)
+
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
         """Within this block, every compiled graph of this model runs inside ``hook()``.
@@ -200,6 +226,8 @@ class SequenceParallel(nn.Module):
         if self.plan is not None and self.plan_provider is None:
             self.plan.check(seq_len=seq_len)
         padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
+        self._step = {"seq_len": seq_len, "padded_len": padded_len,
+                      "tally": {k: tuple(v) for k, v in TALLY.items()}}
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"

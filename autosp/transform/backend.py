@@ -39,6 +39,10 @@ class BackendState:
         return [st for r in self.reports for st in r.strategies]
 
     @property
+    def heads(self) -> list[tuple[int, int]]:
+        return [h for r in self.reports for h in r.heads]
+
+    @property
     def attention_ops(self) -> int:
         return sum(r.attention for r in self.reports)
 

@@ -94,6 +94,7 @@ class ShardReport:
     unmasked_noncausal: bool = False
     global_reductions: int = 0
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
+    heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0
     replicated_params: int = 0        # parameters read by this graph while it runs unsharded
     dropout_at: list[str] = field(default_factory=list)      # attention ops with dropout
@@ -326,6 +327,7 @@ class Sharder:
         self.place[n] = (qv.dim() - 2,)
         self.report.attention += 1
         self.report.strategies.append(strat.spec)
+        self.report.heads.append((shape.heads, shape.kv_heads))
 
     def _strategy_for(self, index: int) -> str:
         st = self.ctx.strategy

@@ -1,0 +1,66 @@
+"""What autosp did to a model: ``sp.report()``.
+
+Per attention op (as compiled): the strategy that runs it, the token layout, the
+heads it sees and the 2-D grid (Ulysses x ring) it uses, the heads and tokens each
+rank holds inside attention and outside it, and the checkpointing of its layer. Per
+step (since the last forward began): the collectives issued on the model's groups,
+by kind, with the bytes this rank sent (counted at run time, see
+:data:`autosp.strategies.collectives.TALLY`), and the padding added to the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class AttentionRow:
+    index: int
+    strategy: str
+    layout: str
+    heads: int
+    kv_heads: int
+    ulysses_degree: int
+    ring_degree: int
+    heads_per_rank: int            # inside attention
+    tokens_per_rank: int           # outside attention (and queries inside, for ring-like strategies)
+    checkpoint: str
+
+
+@dataclass
+class SPReport:
+    sp_degree: int
+    seq_len: int                   # of the last batch, as given
+    padded_len: int                # after padding to the layout's multiple
+    compiled_graphs: int
+    attention: list[AttentionRow] = field(default_factory=list)
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)   # kind -> calls, bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title=f"autosp: SP degree {self.sp_degree}, {self.seq_len} tokens (padded to "
+                        f"{self.padded_len}), {self.compiled_graphs} compiled graphs")
+        for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
+                    "tokens per rank", "checkpoint"):
+            t.add_column(col, justify="right")
+        for r in self.attention:
+            t.add_row(str(r.index), r.strategy, r.layout, f"{r.heads} / {r.kv_heads}",
+                      f"{r.ulysses_degree} x {r.ring_degree}", str(r.heads_per_rank), str(r.tokens_per_rank),
+                      r.checkpoint)
+        t.add_section()
+        for kind, c in sorted(self.collectives.items()):
+            t.add_row(kind, f"{c['calls']} calls", f"{c['bytes'] / 2**20:.2f} MiB sent", "", "", "", "", "")
+        return t
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=120, record=True)
+        with console.capture() as cap:
+            console.print(self)
+        return cap.get()
