@@ -121,6 +121,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from autosp.explain import explain
+
+    rep = explain(args.model, args.seq_len, nproc=args.nproc, batch_size=args.batch_size, strategy=args.strategy,
+                  checkpoint=args.checkpoint, compiler=args.compiler)
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console(width=max(Console().width, 120)).print(rep)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from autosp.graph.catalog import CATALOG
 
@@ -174,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", default=None, help="write an HTML report with plots here")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits this world")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("explain", help="run one SP training step on local CPU processes and show what autosp did")
+    p.add_argument("--model", required=True, help="catalogue name or path to a HF config.json")
+    p.add_argument("--seq-len", type=_positive_int, required=True)
+    p.add_argument("--batch-size", type=_positive_int, default=1)
+    p.add_argument("--nproc", type=_positive_int, default=2, help="gloo processes (the SP degree)")
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--checkpoint", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--compiler", default="eager")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("models", help="list the built-in model names")
     p.set_defaults(func=cmd_models)

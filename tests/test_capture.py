@@ -138,3 +138,17 @@ def test_bad_input_errors_name_the_fix():
 def test_symbol_is_the_public_sequence_symbol(llama8b):
     emb = [a for a in llama8b.nodes(phase="fwd") if a.kind.value == "embedding"]
     assert emb[0].shapes[0] == (1, S, 4096)
+
+
+def test_attention_dropout_is_planned_without_it():
+    # SDPA with dropout leaves the fused kernel while tracing: capture retries in eval mode
+    # (the planner used to say "no attention op" and fall back).
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, attention_dropout=0.1,
+                                   attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    g = capture(model, seq_len=64, dtype="float32")
+    assert len(g.attention_nodes()) == 2 and any("eval mode" in n for n in g.notes)
+    assert model.training                                   # the user's module is left as it was

@@ -29,3 +29,12 @@ def test_errors_are_one_line_without_traceback():
     r = subprocess.run([sys.executable, "-m", "autosp.cli", "inspect", "--model", "tiny", "--seq-len", "-5"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "positive integer" in r.stderr
+
+
+def test_explain_runs_a_step_and_reports_what_ran(capsys):
+    assert main(["explain", "--model", "tiny", "--seq-len", "256", "--strategy", "allgather_kv", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [a["strategy"] for a in doc["attention"]] == ["allgather_kv"] * 2
+    assert all(a["tokens_per_rank"] == 128 for a in doc["attention"])
+    assert doc["collectives"]["all_gather"]["calls"] == 4 and doc["collectives"]["reduce_scatter"]["calls"] == 4
+    assert "send_recv" not in doc["collectives"] and "all_to_all" not in doc["collectives"]

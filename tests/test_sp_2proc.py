@@ -176,6 +176,8 @@ def test_per_layer_strategies_that_a_graph_break_cannot_honour_are_refused(pool)
 def test_what_is_exact_but_not_expected_is_said_once(pool):
     (drop, *_r) = run_ok(pool, "warnings_of", kind="llama", strategy="ulysses", attention_dropout=0.1)
     assert sum("attention dropout (p=" in w and "not bit for bit" in w for w in drop) == 1, drop
+    (auto, *_r) = run_ok(pool, "warnings_of", kind="llama", attention_dropout=0.1)    # planned, not a fallback
+    assert not any("could not plan" in w for w in auto) and any("attention dropout" in w for w in auto), auto
     (brk, *_r) = run_ok(pool, "warnings_of", kind="reference_break")
     assert sum("graph break" in w and "runs unsharded on every rank" in w for w in brk) == 1, brk
 

@@ -58,7 +58,7 @@ class Prediction:
     gradient_comm_s: float = 0.0
 
 
-def attention_shape(node: OpNode, seq_len: float) -> AttentionShape:
+def attention_shape(node: OpNode, seq_len: float, dropout: bool = False) -> AttentionShape:
     """The strategy-facing shape of a captured attention op at ``seq_len`` tokens."""
     a = node.attention
     if a is None:
@@ -66,7 +66,7 @@ def attention_shape(node: OpNode, seq_len: float) -> AttentionShape:
     ev = lambda x: evaluate(x, seq_len)  # noqa: E731
     return AttentionShape(heads=int(ev(a.heads)), kv_heads=int(ev(a.kv_heads)), head_dim=int(ev(a.head_dim)),
                           batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
-                          causal=a.causal)
+                          causal=a.causal, dropout=dropout)
 
 
 def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool) -> float:
@@ -114,7 +114,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         if a.kind == OpKind.VIEW:
             continue
         if a.kind == OpKind.ATTENTION:
-            shape = attention_shape(a, S)
+            shape = attention_shape(a, S, graph.attention_dropout)
             if shape not in costs:
                 reason = strat.illegal(shape, mesh)
                 if reason:

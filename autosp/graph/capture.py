@@ -60,7 +60,21 @@ def capture(model: str | nn.Module | ModelSource, *, seq_len: int, batch_size: i
     torch_dtype = parse_dtype(dtype)
     built = build(model, torch_dtype, seq_len, max_layers)
     specs = parse_input_spec(inputs) if inputs else parse_input_spec(DEFAULT_LM_INPUTS)
-    return _trace(built, specs, batch_size, seq_len, torch_dtype)
+    graph = _trace(built, specs, batch_size, seq_len, torch_dtype)
+    if not graph.attention_nodes() and built.module.training:
+        # Attention dropout sends SDPA off its fused kernel into ops that hide the attention;
+        # the transform still shards it (each rank draws its own masks): plan it without dropout.
+        built.module.eval()
+        try:
+            retry = _trace(built, specs, batch_size, seq_len, torch_dtype)
+        finally:
+            built.module.train()
+        if retry.attention_nodes():
+            retry.attention_dropout = True
+            retry.notes.append("attention dropout hides the fused attention op while tracing; planned in "
+                               "eval mode (without dropout)")
+            return retry
+    return graph
 
 
 # --------------------------------------------------------------------------------------------

@@ -104,6 +104,7 @@ class OpGraph:
     total_params: int
     captured_layers: int
     notes: list[str] = field(default_factory=list)
+    attention_dropout: bool = False    # traced without it (it hides the fused op); the strategies must take it
 
     # -- node selection -------------------------------------------------------------------
     def op(self, name: str) -> OpNode:

@@ -20,9 +20,11 @@ SCHEMA = "autosp.plan/2"     # 2: the Ulysses x ring grid is per layer class, no
 
 
 def model_fingerprint(graph) -> str:
-    """Structure of the model: layer classes (fingerprint x count) and parameter count."""
+    """Structure of the model: layer classes (fingerprint x count), parameter count, and attention
+    dropout (it changes which strategies may run)."""
     parts = sorted(f"{lc.fingerprint}x{lc.count}" for lc in graph.layer_classes.values())
-    return hashlib.sha1(f"{graph.total_params}|{'|'.join(parts)}".encode()).hexdigest()[:16]
+    dropout = "|dropout" if graph.attention_dropout else ""
+    return hashlib.sha1(f"{graph.total_params}|{'|'.join(parts)}{dropout}".encode()).hexdigest()[:16]
 
 
 @dataclass

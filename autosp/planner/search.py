@@ -38,7 +38,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
-    shape = attention_shape(nodes[0], seq_len)
+    shape = attention_shape(nodes[0], seq_len, graph.attention_dropout)
     cands: list[Candidate] = []
     preds: dict[tuple, dict[str, Prediction]] = {}
     total_layers = sum(lc.count for lc in graph.layer_classes.values())

@@ -57,6 +57,7 @@ class AttentionShape:
     elem_bytes: int = 2
     causal: bool = True
     masked: bool = False                   # an explicit attention mask is passed
+    dropout: bool = False                  # attention dropout is on
 
     def bytes(self, heads: float, tokens: float) -> float:
         """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""

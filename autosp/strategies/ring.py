@@ -47,9 +47,13 @@ def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
 
 
 def masked_illegal(name: str, shape: AttentionShape) -> str | None:
+    """Blockwise kernels here take neither an explicit mask nor dropout."""
     if shape.masked:
         return (f"has an explicit attention mask, which strategy '{name}' does not take; use a strategy that "
                 "does (ulysses) for this layer or drop the padding mask")
+    if shape.dropout:
+        return (f"has attention dropout, which strategy '{name}' does not support; use ulysses for this layer "
+                "or set attention dropout to 0")
     return None
 
 

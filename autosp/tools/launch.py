@@ -29,7 +29,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        res = fn(**kwargs)
+        try:
+            res = fn(**kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it
+            from autosp.errors import AutospError
+
+            res = e if isinstance(e, AutospError) else RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")
         if rank == 0:
             out.put(res)
     finally:
@@ -37,7 +42,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads
 
 
 def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: float = 3600, **kwargs: Any) -> Any:
-    """Run ``fn(**kwargs)`` on ``world`` spawned gloo ranks; returns rank 0's result.
+    """Run ``fn(**kwargs)`` on ``world`` spawned gloo ranks; returns rank 0's result (or raises its error).
 
     ``fn`` must be importable by name (a module-level function). ``threads`` per rank
     defaults to an even share of the cores.
@@ -51,7 +56,10 @@ def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: fl
     for p in procs:
         p.start()
     try:
-        return out.get(timeout=timeout)
+        res = out.get(timeout=timeout)
+        if isinstance(res, BaseException):      # rank 0 failed: its error, not a timeout
+            raise res
+        return res
     finally:
         for p in procs:
             p.join(timeout=120)

@@ -118,6 +118,17 @@ def _inserted_meta(source: fx.Node) -> dict[str, Any]:
     return {k: v for k, v in source.meta.items() if k != "nn_module_stack"}
 
 
+def _dropout_p(x: Any) -> float:
+    """The attention dropout of this compile (a graph input when Dynamo keeps floats symbolic: its
+    value now; the strategies' runtime checks refuse a later change they cannot take)."""
+    if isinstance(x, fx.Node):
+        try:
+            return float(_val(x))
+        except (TypeError, ValueError):
+            return 1.0                   # unknown: assume dropout
+    return float(x or 0.0)
+
+
 def _val(n: Any) -> Any:
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
@@ -304,16 +315,16 @@ class Sharder:
             raise AutospError(f"the attention mask at {_where(n)} is computed from sharded activations; "
                               "build it from the inputs (ids, positions, attention_mask)")
         is_causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
-        dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
-        if isinstance(dropout, fx.Node) or dropout:
-            self.report.dropout_at.append(f"p={dropout if not isinstance(dropout, fx.Node) else '?'} at {_where(n)}")
+        dropout = _dropout_p(n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0))
+        if dropout:
+            self.report.dropout_at.append(f"p={dropout:g} at {_where(n)}")
         if mask is None and not is_causal:
             self.report.unmasked_noncausal = True
         qv, kv = _val(q), _val(k)
         index = self.ctx.attention_offset + self.report.attention
         where = f"attention {index} at {_where(n)}"
         shape = AttentionShape(heads=int(qv.shape[-3]), kv_heads=int(kv.shape[-3]), causal=bool(is_causal),
-                               masked=mask is not None)
+                               masked=mask is not None, dropout=bool(dropout))
         mesh = SPMesh(self.ctx.world, self.ctx.layout)
         strat = pick(self._strategy_for(index), shape, mesh)
         reason = strat.illegal(shape, mesh)
