@@ -26,6 +26,6 @@ def test_chunked_attention_equals_sdpa_forward_and_backward(causal, q_ids, kv_id
     out, _ = chunked_attention(_chunks(q, q_ids, 4), _chunks(k, kv_ids, 4), _chunks(v, kv_ids, 4), q_ids, kv_ids,
                                causal, d ** -0.5)
     got = torch.autograd.grad(out, (q, k, v), g)
-    assert torch.allclose(out, ref, atol=1e-12)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12)         # fp64: absolute 1e-12, no relative slack
     for a, e in zip(got, expected):
-        assert torch.allclose(a, e, atol=1e-12)
+        assert torch.allclose(a, e, rtol=0, atol=1e-12)

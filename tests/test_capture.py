@@ -32,7 +32,7 @@ def test_llama3_8b_training_flops_match_analytic(llama8b):
     attention = d["layers"] * 3 * 2 * d["heads"] * tokens ** 2 * d["head_dim"]
     analytic = dense + attention
     captured = llama8b.total_flops()
-    assert abs(captured - analytic) / analytic < 0.02, (captured, analytic)
+    assert abs(captured - analytic) / analytic < 1e-4, (captured, analytic)     # within 0.01%
     # Backward matmuls are twice the forward ones (dX and dW), also at layer level.
     rows = llama8b.layer_rows()
     assert rows[0]["bwd_flops_per_layer"] == pytest.approx(2 * rows[0]["fwd_flops_per_layer"], rel=1e-6)
@@ -55,10 +55,12 @@ def test_llama3_8b_saved_activations_per_layer_match_hand_count(llama8b):
         + f32 * h + f32        # post-attention RMSNorm: fp32 input and rsqrt
         + e * h + e * h        # normalized output and norm output (input of gate/up)
         + 4 * e * i            # gate out, silu(gate), up out, silu*up (input of down)
+        + 2 * e * d["head_dim"]  # RoPE cos and sin: made once outside the layers, saved (as storages)
+                                 # by the first traced block's rotary backward, so counted there
     )
     hand = per_token * 8192
     measured = llama8b.layer_rows()[0]["act_bytes_per_layer"]
-    assert abs(measured - hand) / hand < 0.10, (measured, hand)
+    assert measured == hand, (measured, hand)                                   # exact
 
 
 def test_identical_layers_share_one_class_and_scale_to_depth(llama8b):
