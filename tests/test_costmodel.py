@@ -88,3 +88,16 @@ def test_sp_predictions_make_sense(llama8b):
     assert res["ulysses"].compute_s == pytest.approx(res["zigzag_ring"].compute_s, rel=0.02)
     with pytest.raises(AutospError, match="not divisible by the SP degree 3"):
         predict(llama8b, prof, sp=3, seq_len=32768)
+
+
+def test_checkpointing_modes_keep_what_they_apply(llama8b):
+    from autosp.costmodel.memory import saved_per_layer
+
+    (m,) = saved_per_layer(llama8b, 8192).values()
+    # Selective keeps every matmul and attention output of a layer, per token: q, o, down and the
+    # attention output (4 x 4096), k and v (2 x 1024), gate and up (2 x 14336) in bf16, the attention's
+    # fp32 log-sum-exp (32 heads), plus the layer input; full keeps the layer input only.
+    hidden = 2 * 4096 * 8192
+    assert m["full"] == hidden
+    assert m["selective"] == 2 * (4 * 4096 + 2 * 1024 + 2 * 14336) * 8192 + 4 * 32 * 8192 + hidden
+    assert m["full"] < m["selective"] < m["none"]

@@ -10,7 +10,7 @@ end), evaluated at the local number of tokens.
 
 Checkpointing per layer class keeps of one layer's saved activations:
   none       everything autograd saves
-  selective  what is expensive to recompute: matmul and attention outputs
+  selective  what is expensive to recompute: every matmul and attention output
   full       the layer's input only (one hidden state)
 """
 
@@ -97,9 +97,10 @@ def saved_per_layer(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]
     for fp, lc in graph.layer_classes.items():
         saved = sel = 0.0
         for a in graph.nodes(phase="fwd", layer=lc.captured[0]):
-            b = evaluate(a.bytes_saved, tokens)
-            saved += b
+            saved += evaluate(a.bytes_saved, tokens)
             if a.kind in (OpKind.MATMUL, OpKind.ATTENTION):
-                sel += b
-        out[fp] = {"none": saved, "selective": max(sel, hidden), "full": min(hidden, saved)}
+                # Selective checkpointing keeps every output of these ops for the recompute (whether
+                # or not autograd saves it), and recomputes the rest.
+                sel += evaluate(a.bytes_written, tokens)
+        out[fp] = {"none": saved, "selective": min(sel + hidden, saved), "full": min(hidden, saved)}
     return out
