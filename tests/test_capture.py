@@ -4,6 +4,7 @@ import json
 import resource
 
 import pytest
+import torch
 
 from autosp.errors import AutospError
 from autosp.graph import S, capture
@@ -154,3 +155,10 @@ def test_attention_dropout_is_planned_without_it():
     g = capture(model, seq_len=64, dtype="float32")
     assert len(g.attention_nodes()) == 2 and any("eval mode" in n for n in g.notes)
     assert model.training                                   # the user's module is left as it was
+
+
+def test_capture_plans_a_training_step_under_no_grad():
+    # An eval loop under torch.no_grad() used to make planning fail ("cannot be captured").
+    with torch.no_grad():
+        g = capture("tiny", seq_len=128, dtype="float32")
+    assert len(g.attention_nodes("fwd")) == len(g.attention_nodes("bwd")) == 2

@@ -58,6 +58,12 @@ def capture(model: str | nn.Module | ModelSource, *, seq_len: int, batch_size: i
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise AutospError(f"batch size must be a positive integer, got {batch_size!r}; pass e.g. --batch-size 1")
     torch_dtype = parse_dtype(dtype)
+    with torch.enable_grad():          # a training step, whatever the caller's grad mode (eval loops)
+        return _capture(model, seq_len, batch_size, torch_dtype, inputs, max_layers)
+
+
+def _capture(model: Any, seq_len: int, batch_size: int, torch_dtype: torch.dtype, inputs: str | None,
+             max_layers: int | None) -> OpGraph:
     built = build(model, torch_dtype, seq_len, max_layers)
     specs = parse_input_spec(inputs) if inputs else parse_input_spec(DEFAULT_LM_INPUTS)
     graph = _trace(built, specs, batch_size, seq_len, torch_dtype)
