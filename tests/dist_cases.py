@@ -28,8 +28,26 @@ class _BreakingBlock(torch.nn.Module):
         return x + b.w2(torch.nn.functional.gelu(b.w1(b.ffn_norm(x))))
 
 
+class _BreakAfterBlock(torch.nn.Module):
+    """A whole block in one graph, then a break: the model's own frame (embedding, norm, head,
+    loss) runs eagerly."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.block(x, cos, sin)
+        torch._dynamo.graph_break()
+        return x
+
+
 def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "reference_break_after":
+        model = build("reference", heads, kv)
+        model.layers = torch.nn.ModuleList(_BreakAfterBlock(layer) for layer in model.layers)
+        return model
     if kind == "reference_break":
         model = build("reference", heads, kv)
         model.layers = torch.nn.ModuleList(_BreakingBlock(layer) for layer in model.layers)
@@ -324,3 +342,20 @@ def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses") -> dict[st
         m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode), seq_len)
         out[mode] = {"peak": m["peak"], "loss": m["loss"]}
     return out
+
+
+def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
+    """reduce_grads=False where a graph break leaves parameters eager: exact with True, refused with False."""
+    import torch.distributed as dist
+
+    exact = train_compare("reference_break_after", seq_len=seq_len, steps=1, strategy="ulysses")
+    sp = autosp.compile(build("reference_break_after"), strategy="ulysses", reduce_grads=False)
+    ids, labels = _batch(0, 2, seq_len, False)
+    loss = _loss(sp, "reference", ids, labels)
+    try:
+        loss.backward()
+        refused = ""
+    except AutospError as e:
+        refused = str(e)
+    dist.barrier()
+    return {"exact": exact, "refused": refused}

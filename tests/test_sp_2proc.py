@@ -168,6 +168,12 @@ def test_mixtral_with_eager_experts_breaks_the_graph_and_stays_exact(pool):
         assert r["graphs"] > 2 and r["replicated_params"] > 0, r
 
 
+def test_partial_gradients_refuse_parameters_a_graph_break_left_eager(pool):
+    for r in run_ok(pool, "partial_grads_with_eager_parameters"):
+        check_exact([r["exact"]], ["ulysses"])
+        assert "ran outside autosp's compiled graphs" in r["refused"] and "reduce_grads=True" in r["refused"], r
+
+
 def test_per_layer_strategies_that_a_graph_break_cannot_honour_are_refused(pool):
     msgs = run_ok(pool, "expect_error", kind="reference_break", strategy=["ulysses", "ring"])
     assert "2 per-layer strategies" in msgs[0] and "graph break" in msgs[0], msgs[0]

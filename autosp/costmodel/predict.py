@@ -106,7 +106,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     else:
         strat = resolve(strategy)
     mesh = SPMesh(sp, layout or required_layout([strat]) or "contiguous", dpn)
-    costs: dict[AttentionShape, AttentionCost] = {}
+    # Per attention shape: its cost and kernel times (forward, backward), computed once.
+    costs: dict[AttentionShape, tuple[AttentionCost, float, float]] = {}
     p = Prediction(strategy=strat.spec, sp=sp, dp=dp, seq_len=S, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
                    total_s=0.0, memory={}, peak_bytes=0.0, model_flops=0.0, mfu=0.0, tokens_per_s=0.0)
     workspace = 0.0
@@ -120,14 +121,15 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 if reason:
                     raise AutospError(f"strategy '{strat.spec}' cannot run {graph.model_name}'s attention: "
                                       f"it {reason}")
-                costs[shape] = strat.cost(shape, mesh)
-            cost = costs[shape]
-            t = kernel_time(profile, cost, dtype, a.phase == "bwd")
+                cost = strat.cost(shape, mesh)
+                costs[shape] = (cost, kernel_time(profile, cost, dtype, False), kernel_time(profile, cost, dtype, True))
+            cost, t_fwd, t_bwd = costs[shape]
+            t = t_bwd if a.phase == "bwd" else t_fwd
             if a.phase == "bwd":
                 p.attention_bwd_s += w * t
             else:
                 p.attention_fwd_s += w * t
-                comm, exposed = transfer_times(profile, cost, t, kernel_time(profile, cost, dtype, True))
+                comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd)
                 p.attention_comm_s += w * comm
                 p.attention_exposed_s += w * exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0

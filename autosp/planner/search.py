@@ -45,6 +45,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
     for sp in _divisors(world):
         if sp_degrees is not None and sp not in sp_degrees:
             continue
+        mem = saved_per_layer(graph, seq_len / sp)         # per layer class and checkpointing mode
+        saved_total = sum(mem[fp]["none"] * lc.count for fp, lc in graph.layer_classes.items())
         for layout in LAYOUTS if sp > 1 else LAYOUTS[:1]:
             if seq_len % n_chunks(layout, sp):
                 continue
@@ -56,8 +58,6 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                    zero_stage=zero_stage, devices_per_node=dpn) for st in strats}
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
-            mem = saved_per_layer(graph, seq_len / sp)
-            saved_total = sum(mem[fp]["none"] * lc.count for fp, lc in graph.layer_classes.items())
             cand = Candidate(key=(sp, layout), base_time_s=first.total_s - layer_time[first.strategy],
                              base_mem_bytes=first.peak_bytes - saved_total,
                              base_exposed_s=first.exposed_comm_s - first.attention_exposed_s)

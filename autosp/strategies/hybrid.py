@@ -67,12 +67,16 @@ class Hybrid(Strategy):
         p = mesh.degree        # Ulysses inside a node: U <= devices per node
         return [cls(u, p // u) for u in range(2, p) if p % u == 0 and u <= mesh.devices_per_node]
 
+    def _size_mismatch(self, degree: int) -> str | None:
+        if self.ulysses * self.ring != degree:
+            return (f"'{self.spec}' needs U x R = {self.ulysses * self.ring} ranks but the SP group has {degree}; "
+                    f"pick U x R = {degree}")
+        return None
+
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
-        if self.ulysses * self.ring != mesh.degree:
-            return (f"'{self.spec}' needs U x R = {self.ulysses * self.ring} ranks but the SP group has "
-                    f"{mesh.degree}; pick U x R = {mesh.degree}")
-        reason = heads_illegal(shape.heads, shape.kv_heads, self.ulysses, "the hybrid's Ulysses degree")
-        return reason or masked_illegal(self.spec, shape)
+        return (self._size_mismatch(mesh.degree)
+                or heads_illegal(shape.heads, shape.kv_heads, self.ulysses, "the hybrid's Ulysses degree")
+                or masked_illegal(self.spec, shape))
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         u, r = self.ulysses, self.ring
@@ -87,11 +91,10 @@ class Hybrid(Strategy):
 
     def setup(self, group: Any) -> dict[str, Any]:
         """Create the Ulysses (consecutive ranks) and ring groups; every rank creates every group."""
-        world = dist.get_world_size(group)
+        mismatch = self._size_mismatch(dist.get_world_size(group))
+        if mismatch:
+            raise AutospError(mismatch)
         u, r = self.ulysses, self.ring
-        if u * r != world:
-            raise AutospError(f"'{self.spec}' needs U x R = {u * r} ranks but the SP group has {world}; "
-                              f"pick U x R = {world}")
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank(group)
         out: dict[str, Any] = {"group_name": group.group_name}

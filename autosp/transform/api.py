@@ -263,6 +263,19 @@ class SequenceParallel(nn.Module):
         _set_up(self.config, strategies)
         self.plan = plan
 
+    def _refuse_eager_parameters(self) -> None:
+        """With partial-sum gradients, a parameter no compiled graph reads ran eagerly (a graph break
+        left its frame uncompiled) on the full sequence: its gradient is full on every rank, and the
+        caller's sum over the SP group would count it P times. Refused when its gradient arrives
+        (a parameter that is simply unused gets none)."""
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in self.state.graph_params:
+                def refuse(grad: torch.Tensor, name: str = name) -> torch.Tensor:
+                    raise AutospError(f"parameter {name} ran outside autosp's compiled graphs (a graph break left "
+                                      "its code eager), so with reduce_grads=False its gradient is not a partial "
+                                      "sum; use reduce_grads=True or remove the graph break")
+                p.register_hook(refuse)
+
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):
             if isinstance(named.get(key), torch.Tensor):
@@ -286,6 +299,8 @@ class SequenceParallel(nn.Module):
             raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "
                               f"(found: {found}); build the model with attn_implementation='sdpa' or call "
                               "F.scaled_dot_product_attention")
+        if not self.config.reduce_grads and self.sp_degree > 1:
+            self._refuse_eager_parameters()
         planned = self.config.strategy
         if not isinstance(planned, str) and len(planned) != self.state.attention_ops:
             raise AutospError(

@@ -28,6 +28,7 @@ class BackendState:
 
     reports: list[ShardReport] = field(default_factory=list)
     eager_attention: list[str] = field(default_factory=list)
+    graph_params: set[int] = field(default_factory=set)   # ids of the parameters some compiled graph reads
     # Entered around every run of a compiled graph: how measurement tools (the memory probe)
     # see inside compiled code, which runs no Python dispatch mode entered outside it.
     graph_hooks: list[Callable[[], ContextManager]] = field(default_factory=list)
@@ -161,6 +162,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)
+        state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:
             gm = _checkpointed(gm, config)
