@@ -36,7 +36,7 @@ def blockwise_check() -> list[str]:
             return torch.cat([x[:, :, c * L:(c + 1) * L] for c in ids], 2)
 
         qids, kvids = [1, 6], [3, 0, 7, 5, 2, 1, 6, 4]
-        out, _ = chunked_attention(ch(q, qids), ch(k, kvids), ch(v, kvids), qids, kvids, True, d ** -0.5)
+        out, _ = chunked_attention(ch(q, qids), ch(k, kvids), ch(v, kvids), None, qids, kvids, True, d ** -0.5)
         gq, gk, gv = torch.autograd.grad(out, (q, k, v), ch(g, qids))
         ref_sel = ch(ref, qids)
         eq, ek, ev = torch.autograd.grad(ref_sel, (q, k, v), ch(g, qids))

@@ -11,6 +11,7 @@ import torch
 
 import autosp
 from autosp.errors import AutospError
+from autosp.strategies.blockwise import BLOCK_TALLY
 
 
 class _BreakingBlock(torch.nn.Module):
@@ -73,16 +74,39 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)
     else:
         cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-               "qwen3": "Qwen3Config", "olmo2": "Olmo2Config"}[kind]
+               "qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "mixtral": "MixtralConfig",
+               "qwen2_moe": "Qwen2MoeConfig"}[kind]
+        if kind in ("mixtral", "qwen2_moe"):      # grouped experts (the default), router aux loss on
+            extra = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+                         **{"num_local_experts" if kind == "mixtral" else "num_experts": 4}, **extra)
+            if kind == "qwen2_moe":
+                extra.update(moe_intermediate_size=64, shared_expert_intermediate_size=64)
         cfg = getattr(transformers, cls)(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=heads, num_key_value_heads=kv, **common, **extra)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
+          **extra: torch.Tensor) -> torch.Tensor:
     if kind.startswith("reference"):
         return model(ids, labels=labels)
-    return model(input_ids=ids, labels=labels).loss
+    # use_cache=False, as autosp runs HF models: without a cache transformers also reads packed
+    # documents from restarting position ids (with one, it silently attends across them)
+    return model(input_ids=ids, labels=labels, use_cache=False, **extra).loss
+
+
+def _extra_inputs(inputs: str, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Inputs beside the ids: a padded batch (row 0 left-padded by 5 tokens, the last row
+    right-padded by 3) or a packed batch (documents of 10, 3 and the rest: positions restart)."""
+    if inputs == "padded":
+        mask = torch.ones(batch, seq_len, dtype=torch.long)
+        mask[0, :5] = 0
+        mask[-1, -3:] = 0
+        return {"attention_mask": mask}
+    if inputs == "packed":
+        pos = torch.cat([torch.arange(10), torch.arange(3), torch.arange(seq_len - 13)])
+        return {"position_ids": pos.expand(batch, seq_len).clone()}
+    return {}
 
 
 def _batch(step: int, batch: int, seq_len: int, uneven: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +125,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
-                  **cfg: Any) -> dict[str, Any]:
+                  inputs: str = "", **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
@@ -110,11 +134,15 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     kw = {} if plan is not None else {"checkpoint": checkpoint}
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
+    extra = _extra_inputs(inputs, batch, seq_len)
+    blocks = dict(BLOCK_TALLY)
     for step in range(steps):
         ids, labels = _batch(step, batch, seq_len, uneven)
-        loss_ref = _loss(ref, kind, ids, labels)
+        if "attention_mask" in extra:
+            labels = labels.masked_fill(extra["attention_mask"] == 0, -100)
+        loss_ref = _loss(ref, kind, ids, labels, **extra)
         loss_ref.backward()
-        loss_sp = _loss(sp, kind, ids, labels)
+        loss_sp = _loss(sp, kind, ids, labels, **extra)
         loss_sp.backward()
         out["losses"].append((loss_ref.item(), loss_sp.item()))
         out["loss_err"] = max(out["loss_err"], abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
@@ -137,6 +165,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["report"] = sp.report().as_dict()            # of the last step: collectives, tokens per rank
     out["graphs"] = len(sp.state.reports)
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
+    out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]
+    out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out
 

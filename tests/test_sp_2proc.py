@@ -47,6 +47,7 @@ def check_exact(res, strategies=None):
     """Exact against one process; ``strategies``: the spec that must have run on each attention op."""
     for r in res:
         assert r["attention_ops"] > 0
+        assert not r["replicated_work"], r["replicated_work"]    # every matmul ran on this rank's tokens
         if strategies is not None:
             assert r["strategies"] == strategies, r["strategies"]
         assert r["loss_err"] <= LOSS_TOL, r
@@ -94,6 +95,34 @@ def test_other_strategies_match_single_device(pool, strategy, kind):
     check_exact(res, [strategy] * 2)
     for r in res:
         check_ran(r, strategy, world=2)
+
+
+MASKED = {"window": dict(kind="mistral", sliding_window=8),      # HF builds a sliding-window mask
+          "padded": dict(kind="llama", inputs="padded"),          # left- and right-padded rows
+          "packed": dict(kind="llama", inputs="packed")}          # documents of 10, 3 and 19 tokens
+
+
+def check_first_step_exact(res, strategies):
+    """One step, fp32: the first gradients, before AdamW turns rounding into parameter noise."""
+    for r in res:
+        assert not r["replicated_work"], r["replicated_work"]
+        assert r["strategies"] == strategies, r["strategies"]
+        assert r["loss_err"] <= 1e-6 and r["grad_err"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("inputs", list(MASKED))
+@pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv"])
+def test_blockwise_strategies_take_masks_and_skip_hidden_blocks(pool, strategy, inputs):
+    res = run_ok(pool, "train_compare", strategy=strategy, steps=1, **MASKED[inputs])
+    check_first_step_exact(res, [strategy] * 2)
+    # Pairs (computed, hidden) per layer on rank 0 of 2, 32 tokens. Contiguous: chunk 0 sees only
+    # itself (chunk 1 is its future). Zigzag, chunks 0 and 3 of 8 tokens: chunk 0 sees itself,
+    # chunk 3 sees all 4 under padding, only chunks 2-3 through the window of 8, and chunks 1-3
+    # as the third document (tokens 13-31).
+    expected = {"zigzag_ring": {"window": (3, 5), "padded": (5, 3), "packed": (4, 4)}}.get(
+        strategy, {k: (1, 1) for k in MASKED})[inputs]
+    assert (res[0]["blocks"]["computed"], res[0]["blocks"]["skipped"]) == tuple(2 * x for x in expected)
+    check_ran(res[0], strategy, world=2)
 
 
 def test_mixed_strategies_per_layer(pool):

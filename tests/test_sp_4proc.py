@@ -3,7 +3,8 @@
 import pytest
 
 from dist_harness import Pool
-from test_sp_2proc import check_exact, check_graph_break, check_inputs_embeds, check_ran, run_ok
+from test_sp_2proc import (MASKED, check_exact, check_first_step_exact, check_graph_break, check_inputs_embeds,
+                           check_ran, run_ok)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,22 @@ def test_more_ranks_than_heads(pool, strategy):
     ran = "ring" if strategy == "auto" else strategy
     check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, heads=2, kv=1, seq_len=30),
                 [ran] * 2)
+
+
+@pytest.mark.parametrize("inputs", list(MASKED))
+def test_hybrid_takes_masks(pool, inputs):
+    res = run_ok(pool, "train_compare", strategy="hybrid:2x2", steps=1, **MASKED[inputs])
+    check_first_step_exact(res, ["hybrid:2x2"] * 2)
+    check_ran(res[0], "hybrid:2x2", world=4)
+    assert all(r["blocks"]["skipped"] > 0 for r in res)
+
+
+def test_a_sliding_window_makes_ring_compute_fewer_blocks(pool):
+    # 32 tokens on 4 ranks, chunks of 8, window of 8: the last rank's chunk sees chunks 2 and 3,
+    # not 0 and 1 (causal alone: all 4), in each of 2 layers.
+    res = run_ok(pool, "train_compare", strategy="ring", steps=1, **MASKED["window"])
+    check_first_step_exact(res, ["ring"] * 2)
+    assert [(r["blocks"]["computed"], r["blocks"]["skipped"]) for r in res] == [(2, 6), (4, 4), (4, 4), (4, 4)]
 
 
 def test_mixed_per_layer_plan(pool):

@@ -16,7 +16,7 @@ from autosp.strategies.base import blockwise_kernel_calls
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather, all_reduce_sum, group_size, resolve_group
 from autosp.strategies.layout import all_chunks, rank_chunks
-from autosp.strategies.ring import masked_illegal, no_mask_or_dropout, softmax_scale
+from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 
 FAMILY = "toy_allgather_ar"
 
@@ -50,14 +50,14 @@ gather_then_all_reduce.register_autograd(_backward, setup_context=_setup)
 def toy_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
-    no_mask_or_dropout(FAMILY, attn_mask, dropout_p)
+    no_dropout(FAMILY, dropout_p)
     pg = resolve_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     seq = key.dim() - 2
     k = gather_then_all_reduce(key.contiguous(), seq, group_name)
     v = gather_then_all_reduce(value.contiguous(), seq, group_name)
-    out, _ = chunked_attention(query, k, v, rank_chunks(layout, rank, world), all_chunks(layout, world),
-                               is_causal, softmax_scale(query, scale))
+    out, _ = chunked_attention(query, k, v, block_mask(attn_mask, query), rank_chunks(layout, rank, world),
+                               all_chunks(layout, world), is_causal, softmax_scale(query, scale))
     return out
 
 
@@ -67,7 +67,7 @@ class ToyAllGatherAllReduce(Strategy):
     attention_fn = staticmethod(toy_attention)
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
-        return masked_illegal(self.spec, shape)
+        return dropout_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree

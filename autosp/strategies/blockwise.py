@@ -8,6 +8,13 @@ the permuted chunks of a Ulysses x ring hybrid). Under a causal mask, query
 chunk ``a`` sees key chunk ``b`` fully when ``b < a``, causally when ``b == a``,
 and not at all when ``b > a``: no ``S x S`` mask is ever built.
 
+An explicit mask (``[B|1, H|1, S|1, S]``, boolean or additive, over global token
+order, as the model built it) is cut the same way: each (query chunk, key chunk)
+pair reads its mask block, and a block that masks everything is skipped, so a
+sliding window or packed documents cost only the blocks they see. A block that
+masks nothing runs unmasked. Rows a block masks entirely get ``lse = -inf`` there
+(the kernel reports 0), so they add nothing when merged.
+
 Per (query chunk, key chunk) pair the fused kernel returns ``(out, lse)``;
 partial results merge in fp32:
 
@@ -20,6 +27,7 @@ Backward calls the kernel's backward per pair with the *merged* ``out`` and
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -38,12 +46,24 @@ def _reduce_kv(dx: Tensor, n_kv: int) -> Tensor:
     return dx if h == n_kv else dx.view(b, n_kv, h // n_kv, l, d).sum(2)
 
 
-def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Fused attention returning ``(out, lse)``; k/v already have q's head count."""
+# Forward kernel calls made, and (query, key) chunk pairs a mask hid entirely, since start
+# (read by reports and tests).
+BLOCK_TALLY: Counter = Counter()
+
+
+def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                   bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Fused attention returning ``(out, lse)``; k/v already have q's head count; ``bias`` additive."""
+    BLOCK_TALLY["computed"] += 1
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                              scale=scale)
         return out, lse
     if q.device.type == "cuda":
+        if bias is not None:     # the flash kernel takes no mask; the memory-efficient one takes a bias
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(bias, q, k), True, 0.0,
+                                                                         False, scale=scale)
+            return res[0], res[1][..., :q.shape[-2]]
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise AutospError(f"ring / all-gather-KV attention on CUDA uses the flash kernel, which takes bf16 or "
                               f"fp16, not {q.dtype}; train in bf16 or use strategy='ulysses'")
@@ -53,16 +73,28 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) 
 
 
 def kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    # Dense (not varlen) flash kernel, no dropout: no cumulative lengths, RNG state unused.
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    # No dropout: the RNG state is unused.
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    if bias is not None:
+        pad = -(-q.shape[-2] // 32) * 32 - q.shape[-2]     # the kernel's lse rows are padded to 32
+        res = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, _cuda_bias(bias, q, k), out, torch.nn.functional.pad(lse, (0, pad)), seed, offset, 0.0,
+            [True, True, True, False], False, scale=scale)
+        return res[0], res[1], res[2]
+    # Dense (not varlen) flash kernel: no cumulative lengths.
     res = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
     return res[0], res[1], res[2]
+
+
+def _cuda_bias(bias: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """The memory-efficient kernel wants a ``[B, H, Lq, Lk]`` bias of q's dtype."""
+    return bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 def chunk_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
@@ -74,6 +106,37 @@ def chunk_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list
                 pairs.append((i, j, False))
             elif b == a:
                 pairs.append((i, j, True))
+    return pairs
+
+
+Pair = tuple[int, int, bool, "Tensor | None", "Tensor | None"]
+
+
+def visible_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool, mask: Tensor | None, chunk_len: int,
+                  dtype: torch.dtype) -> list[Pair]:
+    """:func:`chunk_pairs` with, per pair, the additive mask block (None: sees everything) and the
+    rows it sees (None: all of them); pairs whose mask block hides everything are left out."""
+    pairs: list[Pair] = []
+    if mask is not None and mask.shape[-1] % chunk_len:
+        raise AutospError(f"the attention mask covers {mask.shape[-1]} keys, not whole chunks of {chunk_len} "
+                          "tokens; build it over the full (padded) sequence")
+    for i, j, c in chunk_pairs(q_chunks, kv_chunks, causal):
+        if mask is None:
+            pairs.append((i, j, c, None, None))
+            continue
+        a, b = q_chunks[i], kv_chunks[j]
+        rows = mask if mask.shape[-2] == 1 else mask.narrow(-2, a * chunk_len, chunk_len)
+        block = rows.narrow(-1, b * chunk_len, chunk_len)
+        seen = block if block.dtype == torch.bool else block > float("-inf")
+        if not bool(seen.any()):
+            continue
+        if block.dtype == torch.bool:
+            bias = None if bool(seen.all()) else torch.zeros(block.shape, dtype=dtype, device=block.device
+                                                             ).masked_fill_(~block, float("-inf"))
+        else:
+            bias = block.to(dtype) if bool(block.any()) else None
+        rows_seen = seen.any(-1)
+        pairs.append((i, j, c, bias, None if bool(rows_seen.all()) else rows_seen))
     return pairs
 
 
@@ -89,31 +152,43 @@ def new_accumulator(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def attend_forward(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_chunks: list[int], causal: bool,
-                   scale: float, acc: tuple[Tensor, Tensor]) -> None:
+                   scale: float, acc: tuple[Tensor, Tensor], mask: Tensor | None = None) -> None:
     """Merge the attention of ``q`` over this key block into the running ``acc`` (in place)."""
     acc_out, acc_lse = acc
     n_heads = q.shape[1]
     qs, acc_o, acc_l = q.chunk(len(q_chunks), 2), acc_out.chunk(len(q_chunks), 2), acc_lse.chunk(len(q_chunks), 2)
     ks, vs = k.chunk(len(kv_chunks), 2), v.chunk(len(kv_chunks), 2)
-    for i, j, c in chunk_pairs(q_chunks, kv_chunks, causal):
-        o, lse = kernel_forward(qs[i], _expand_kv(ks[j], n_heads), _expand_kv(vs[j], n_heads), c, scale)
-        new = torch.logaddexp(acc_l[i], lse)
-        acc_o[i].mul_(torch.exp(acc_l[i] - new).unsqueeze(-1)).add_(o.to(acc_o[i].dtype) * torch.exp(lse - new).unsqueeze(-1))
+    pairs = visible_pairs(q_chunks, kv_chunks, causal, mask, qs[0].shape[2], q.dtype)
+    BLOCK_TALLY["skipped"] += len(chunk_pairs(q_chunks, kv_chunks, causal)) - len(pairs)
+    for i, j, c, bias, rows_seen in pairs:
+        o, lse = kernel_forward(qs[i], _expand_kv(ks[j], n_heads), _expand_kv(vs[j], n_heads), c, scale, bias)
+        if rows_seen is None:
+            new = torch.logaddexp(acc_l[i], lse)
+            w_old, w_new = torch.exp(acc_l[i] - new), torch.exp(lse - new)
+        else:   # rows this block hides: lse -inf; rows no block has shown yet stay -inf with weight 0
+            lse = lse.to(acc_l[i].dtype).masked_fill(~rows_seen, float("-inf"))
+            new = torch.logaddexp(acc_l[i], lse)
+            shown = new > float("-inf")
+            w_old = torch.where(shown, torch.exp(acc_l[i] - new), 0.0)
+            w_new = torch.where(shown, torch.exp(lse - new), 0.0)
+        acc_o[i].mul_(w_old.unsqueeze(-1)).add_(o.to(acc_o[i].dtype) * w_new.unsqueeze(-1))
         acc_l[i].copy_(new)
 
 
 def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_chunks: list[int],
                     kv_chunks: list[int], causal: bool, scale: float,
-                    dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+                    dq: Tensor, dk: Tensor, dv: Tensor, mask: Tensor | None = None) -> None:
     """Accumulate this key block's share of dQ (into ``dq``) and its dK, dV (into ``dk``, ``dv``)."""
     n_heads, n_kv = q.shape[1], k.shape[1]
     nq, nk = len(q_chunks), len(kv_chunks)
+    if mask is not None:        # rows no key is shown to: the kernel's own convention, lse 0 and out 0
+        lse = lse.masked_fill(lse == float("-inf"), 0.0)
     qs, dos, outs, lses, dqs = (t.chunk(nq, 2) for t in (q, dout, out, lse, dq))
     ks, vs, dks, dvs = (t.chunk(nk, 2) for t in (k, v, dk, dv))
-    for i, j, c in chunk_pairs(q_chunks, kv_chunks, causal):
+    for i, j, c, bias, _ in visible_pairs(q_chunks, kv_chunks, causal, mask, qs[0].shape[2], q.dtype):
         gq, gk, gv = kernel_backward(dos[i].contiguous(), qs[i], _expand_kv(ks[j], n_heads),
                                      _expand_kv(vs[j], n_heads), outs[i].contiguous(), lses[i].contiguous(),
-                                     c, scale)
+                                     c, scale, bias)
         dqs[i].add_(gq)
         dks[j].add_(_reduce_kv(gk, n_kv))
         dvs[j].add_(_reduce_kv(gv, n_kv))
@@ -122,17 +197,18 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 # ------------------------------------------------------------------ the local op with autograd
 
 @torch.library.custom_op("autosp::chunked_attention", mutates_args=())
-def chunked_attention(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_chunks: list[int],
-                      causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of local queries over gathered keys/values, both described by chunk ids."""
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, q_chunks: list[int],
+                      kv_chunks: list[int], causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of local queries over gathered keys/values, both described by chunk ids; ``mask``
+    (or None) over global token order."""
     acc = new_accumulator(q)
-    attend_forward(q, k, v, q_chunks, kv_chunks, causal, scale, acc)
+    attend_forward(q, k, v, q_chunks, kv_chunks, causal, scale, acc, mask)
     return acc[0].to(q.dtype), acc[1]
 
 
 def register_blockwise(op: Any, names: tuple[str, ...], backward_op: Any) -> None:
-    """Fake kernels and autograd of a blockwise attention op ``(q, k, v, *rest) -> (out, lse)``
-    whose backward is the custom op ``backward_op(dout, q, k, v, out, lse, *rest) -> (dq, dk, dv)``.
+    """Fake kernels and autograd of a blockwise attention op ``(q, k, v, mask, *rest) -> (out, lse)``
+    whose backward is the custom op ``backward_op(dout, q, k, v, out, lse, mask, *rest) -> (dq, dk, dv)``.
 
     Both directions are opaque custom ops, so AOTAutograd traces through them (their
     collectives never enter a graph); fakes are contiguous, as the real kernels return."""
@@ -140,14 +216,14 @@ def register_blockwise(op: Any, names: tuple[str, ...], backward_op: Any) -> Non
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q))
 
     def setup(ctx, inputs, output) -> None:
-        for name, value in zip(names, inputs[3:]):
+        for name, value in zip(names, inputs[4:]):
             setattr(ctx, name, value)
-        ctx.save_for_backward(*inputs[:3], output[0], output[1])
+        ctx.save_for_backward(*inputs[:3], output[0], output[1], inputs[3])
 
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = backward_op(dout.contiguous(), q, k, v, out, lse, *(getattr(ctx, n) for n in names))
-        return (*grads, *([None] * len(names)))
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        grads = backward_op(dout.contiguous(), q, k, v, out, lse, mask, *(getattr(ctx, n) for n in names))
+        return (*grads, None, *([None] * len(names)))
 
     def fake_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -159,10 +235,10 @@ def register_blockwise(op: Any, names: tuple[str, ...], backward_op: Any) -> Non
 
 @torch.library.custom_op("autosp::chunked_attention_backward", mutates_args=())
 def chunked_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               q_chunks: list[int], kv_chunks: list[int], causal: bool,
+                               mask: Tensor | None, q_chunks: list[int], kv_chunks: list[int], causal: bool,
                                scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc_dtype(t), device=t.device) for t in (q, k, v))
-    attend_backward(dout.to(q.dtype), q, k, v, out, lse, q_chunks, kv_chunks, causal, scale, dq, dk, dv)
+    attend_backward(dout.to(q.dtype), q, k, v, out, lse, q_chunks, kv_chunks, causal, scale, dq, dk, dv, mask)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

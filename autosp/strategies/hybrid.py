@@ -20,7 +20,7 @@ from autosp.strategies.base import (AttentionCost, AttentionShape, SPMesh, Strat
                                     register, ring_transfers, ring_workspace)
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import rank_chunks
-from autosp.strategies.ring import masked_illegal, no_mask_or_dropout, softmax_scale
+from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_kernel import ring_attention
 from autosp.strategies.ulysses import all_to_all_transfers, heads_illegal, heads_to_seq, kv_repeat, seq_to_heads
 
@@ -29,13 +29,16 @@ def hybrid_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tenso
                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                      enable_gqa: bool = False, *, group_name: str, ulysses_group: str, ring_group: str,
                      layout: str = "contiguous") -> Tensor:
-    no_mask_or_dropout("hybrid", attn_mask, dropout_p)
+    no_dropout("hybrid", dropout_p)
     world = dist.get_world_size(resolve_group(group_name))
-    u = dist.get_world_size(resolve_group(ulysses_group))
+    u_group = resolve_group(ulysses_group)
+    u = dist.get_world_size(u_group)
+    per = query.shape[1] // u          # this Ulysses rank attends with heads [j*per, (j+1)*per)
     r = world // u
     q, k, v = seq_to_heads(query, key, value, ulysses_group)
     chunks = [c for g in range(r) for j in range(u) for c in rank_chunks(layout, g * u + j, world)]
-    out, _ = ring_attention(q, k, v, chunks, is_causal, softmax_scale(query, scale), ring_group)
+    mask = block_mask(attn_mask, query, (dist.get_rank(u_group) * per, per))
+    out, _ = ring_attention(q, k, v, mask, chunks, is_causal, softmax_scale(query, scale), ring_group)
     return heads_to_seq(out, ulysses_group)
 
 
@@ -76,7 +79,7 @@ class Hybrid(Strategy):
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
         return (self._size_mismatch(mesh.degree)
                 or heads_illegal(shape.heads, shape.kv_heads, self.ulysses, "the hybrid's Ulysses degree")
-                or masked_illegal(self.spec, shape))
+                or dropout_illegal(self.spec, shape))
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         u, r = self.ulysses, self.ring

@@ -24,12 +24,20 @@ from autosp.strategies.layout import all_chunks
 from autosp.strategies.ring_kernel import ring_attention
 
 
-def no_mask_or_dropout(strategy: str, attn_mask: Tensor | None, dropout_p: float) -> None:
-    if attn_mask is not None:
-        raise AutospError(f"strategy '{strategy}' does not take an explicit attention mask; use 'ulysses' for "
-                          "masked attention (or pass no padding mask)")
+def no_dropout(strategy: str, dropout_p: float) -> None:
     if dropout_p:
         raise AutospError(f"strategy '{strategy}' does not support attention dropout ({dropout_p}); set it to 0")
+
+
+def block_mask(attn_mask: Tensor | None, query: Tensor, heads: tuple[int, int] | None = None) -> Tensor | None:
+    """SDPA's mask as ``[B|1, H|1, S|1, S]`` over global token order, for blockwise kernels
+    (``heads``: the ``(first, count)`` of the heads this rank attends with, when a mask has one per head)."""
+    if attn_mask is None:
+        return None
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
+    if heads is not None and m.shape[1] > 1:
+        m = m.narrow(1, heads[0], heads[1])
+    return m
 
 
 def softmax_scale(q: Tensor, scale: float | None) -> float:
@@ -39,18 +47,15 @@ def softmax_scale(q: Tensor, scale: float | None) -> float:
 def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                       enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
-    no_mask_or_dropout("ring", attn_mask, dropout_p)
+    no_dropout("ring", dropout_p)
     world = dist.get_world_size(resolve_group(group_name))
-    out, _ = ring_attention(query, key, value, all_chunks(layout, world), is_causal, softmax_scale(query, scale),
-                            group_name)
+    out, _ = ring_attention(query, key, value, block_mask(attn_mask, query), all_chunks(layout, world), is_causal,
+                            softmax_scale(query, scale), group_name)
     return out
 
 
-def masked_illegal(name: str, shape: AttentionShape) -> str | None:
-    """Blockwise kernels here take neither an explicit mask nor dropout."""
-    if shape.masked:
-        return (f"has an explicit attention mask, which strategy '{name}' does not take; use a strategy that "
-                "does (ulysses) for this layer or drop the padding mask")
+def dropout_illegal(name: str, shape: AttentionShape) -> str | None:
+    """Blockwise kernels here take masks (block by block) but not dropout."""
     if shape.dropout:
         return (f"has attention dropout, which strategy '{name}' does not support; use ulysses for this layer "
                 "or set attention dropout to 0")
@@ -69,7 +74,7 @@ class Ring(Strategy):
         return [cls()] if mesh.degree > 1 and mesh.layout == "contiguous" else []
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
-        return masked_illegal(self.spec, shape)
+        return dropout_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree

@@ -40,8 +40,8 @@ def _chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
     return all_chunks[rank * per:(rank + 1) * per]
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal: bool, scale: float,
-                 pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, all_chunks: list[int], causal: bool,
+                 scale: float, pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     q_chunks = _chunks_of(all_chunks, r, p)
     acc = new_accumulator(q)
@@ -50,7 +50,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal:
         src = (r - step) % p
         if step < p - 1:
             nxt, reqs = _exchange(pg, cur)
-        attend_forward(q, cur[0], cur[1], q_chunks, _chunks_of(all_chunks, src, p), causal, scale, acc)
+        attend_forward(q, cur[0], cur[1], q_chunks, _chunks_of(all_chunks, src, p), causal, scale, acc, mask)
         if step < p - 1:
             for req in reqs:
                 req.wait()
@@ -59,21 +59,23 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal:
 
 
 @torch.library.custom_op("autosp::ring_attention", mutates_args=())
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, all_chunks: list[int], causal: bool, scale: float,
-                   group_name: str) -> tuple[Tensor, Tensor]:
-    """``all_chunks``: the chunk ids held by ring ranks 0..P-1, concatenated (equal counts)."""
-    return ring_forward(q, k, v, all_chunks, causal, scale, resolve_group(group_name))
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, all_chunks: list[int], causal: bool,
+                   scale: float, group_name: str) -> tuple[Tensor, Tensor]:
+    """``all_chunks``: the chunk ids held by ring ranks 0..P-1, concatenated (equal counts); ``mask``
+    (or None): every rank's copy over global token order (it never travels)."""
+    return ring_forward(q, k, v, mask, all_chunks, causal, scale, resolve_group(group_name))
 
 
 @torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            all_chunks: list[int], causal: bool, scale: float,
+                            mask: Tensor | None, all_chunks: list[int], causal: bool, scale: float,
                             group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    return ring_backward(dout, q, k, v, out, lse, all_chunks, causal, scale, resolve_group(group_name))
+    return ring_backward(dout, q, k, v, out, lse, mask, all_chunks, causal, scale, resolve_group(group_name))
 
 
-def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, all_chunks: list[int],
-                  causal: bool, scale: float, pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Tensor | None,
+                  all_chunks: list[int], causal: bool, scale: float,
+                  pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     q_chunks = _chunks_of(all_chunks, r, p)
     dout = dout.to(q.dtype)
@@ -86,7 +88,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         if step < p - 1:
             nxt, reqs = _exchange(pg, cur)
         attend_backward(dout, q, cur[0], cur[1], out, lse, q_chunks, _chunks_of(all_chunks, src, p),
-                        causal, scale, dq, dkv[0], dkv[1])
+                        causal, scale, dq, dkv[0], dkv[1], mask)
         # The accumulator follows its block; after P hops it is home with every contribution.
         dkv, dreqs = _exchange(pg, dkv)
         for req in dreqs:

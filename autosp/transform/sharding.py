@@ -62,6 +62,9 @@ _DIM_MIXING = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort",
                "cummax", "cummin", "logcumsumexp", "sum", "mean", "max", "min", "amax", "amin", "argmax",
                "argmin", "any", "all", "prod", "std", "var", "norm", "logsumexp", "narrow", "split",
                "tensor_split", "diff", "nansum", "count_nonzero", "chunk", "unbind"}
+# Ops whose cost grows with the tokens times a weight: on the full sequence in a sharded graph,
+# they are work SP should have split (reported, see ShardReport.replicated_work).
+_HEAVY = {"linear", "embedding", "matmul", "mm", "bmm", "conv1d", "baddbmm", "addmm"}
 # Where the dim argument sits when it is not the second positional one.
 _DIM_POSITION = {"split": 2, "chunk": 2, "tensor_split": 2, "topk": 2, "roll": 2}
 
@@ -98,6 +101,8 @@ class ShardReport:
     local_outputs: int = 0
     replicated_params: int = 0        # parameters read by this graph while it runs unsharded
     dropout_at: list[str] = field(default_factory=list)      # attention ops with dropout
+    # ops of a sharded graph that read a parameter yet ran on the full sequence (work SP should split)
+    replicated_work: list[str] = field(default_factory=list)
     starts_at: str = ""               # where the graph's first op comes from (for messages)
 
 
@@ -238,6 +243,8 @@ class Sharder:
                 b = self.graph.call_function(fn, (p, *extra))
             b.meta = _inserted_meta(p)
             p.replace_all_uses_with(b, delete_user_cb=lambda user, b=b: user is not b)
+            if p in self.params:     # still a parameter to the propagation: the first op to read it shards
+                self.params.add(b)
             after = b
 
     def _full_len_node(self) -> fx.Node:
@@ -278,6 +285,8 @@ class Sharder:
         meets_param = any(a in self.params for a in ins) and (s_in or seqful_r)
         if not s_in and not meets_param:
             self.place[n] = None
+            if _name(n) in _HEAVY and self.seq_dims(v):
+                self.report.replicated_work.append(f"{_name(n)} at {_where(n)}")
             return
         if self._is_full_reduction(n):
             return self._global_reduction(n)
