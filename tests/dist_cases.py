@@ -166,6 +166,9 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["graphs"] = len(sp.state.reports)
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]
+    out["token_statistics"] = sum(r.token_statistics for r in sp.state.reports)
+    out["graph_reports"] = [(r.attention, r.token_statistics, r.replicated_params, r.starts_at[-70:])
+                            for r in sp.state.reports]
     out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out

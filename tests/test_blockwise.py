@@ -76,3 +76,29 @@ def test_chunked_attention_with_a_mask_equals_sdpa_and_skips_hidden_blocks(kind,
     # belong to the third document, which starts at 13: chunk 1 = tokens 8-15 is still seen).
     hidden = {"window": 5, "packed": 4, "left_pad": 3}[kind]
     assert (computed, skipped) == (8 - hidden, hidden)
+
+
+def test_masked_chunks_are_cut_into_tiles_that_a_window_hides(monkeypatch):
+    import autosp.strategies.blockwise as bw
+
+    monkeypatch.setattr(bw, "MASK_TILE", 4)         # chunks of 8 tokens -> tiles of 4
+    torch.manual_seed(0)
+    b, h, s, d = 1, 2, 32, 8
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = _masks(s)["window"][:1]
+    q_ids, kv_ids = [3, 0], [2, 0, 3, 1]
+    ref = _chunks(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q_ids, 4)
+    g = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q, k, v), g)
+    before = dict(bw.BLOCK_TALLY)
+    out, _ = chunked_attention(_chunks(q, q_ids, 4), _chunks(k, kv_ids, 4), _chunks(v, kv_ids, 4), mask, q_ids,
+                               kv_ids, False, d ** -0.5)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12)
+    for a, e in zip(got, expected):
+        assert torch.allclose(a, e, rtol=0, atol=1e-12)
+    # Query tiles 6, 7 (chunk 3) and 0, 1 (chunk 0) over 8 key tiles of 4 tokens, window 6: tile 6
+    # sees key tiles 4-6, tile 7 sees 5-7, tile 0 itself, tile 1 tiles 0-1: 9 of 32 tile pairs
+    # (whole chunks of 8: 3 of 8 pairs, twice the area).
+    assert (bw.BLOCK_TALLY["computed"] - before.get("computed", 0),
+            bw.BLOCK_TALLY["skipped"] - before.get("skipped", 0)) == (9, 23)

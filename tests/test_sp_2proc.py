@@ -125,6 +125,17 @@ def test_blockwise_strategies_take_masks_and_skip_hidden_blocks(pool, strategy, 
     check_ran(res[0], strategy, world=2)
 
 
+@pytest.mark.parametrize("kind,strategy", [("mixtral", "ulysses"), ("qwen2_moe", "ring")])
+def test_moe_with_grouped_experts_and_router_loss_is_exact(pool, kind, strategy):
+    # Default (grouped) experts: each rank routes its own tokens; the load-balancing loss sees
+    # every token (per layer a histogram and a sum over tokens, all-reduced: 4 for 2 layers).
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, steps=1)
+    check_first_step_exact(res, [strategy] * 2)
+    for r in res:
+        assert r["graphs"] == 1 and r["token_statistics"] == 4, r["graph_reports"]
+    check_ran(res[0], strategy, world=2)
+
+
 def test_mixed_strategies_per_layer(pool):
     # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]),

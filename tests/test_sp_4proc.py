@@ -62,6 +62,12 @@ def test_hybrid_takes_masks(pool, inputs):
     assert all(r["blocks"]["skipped"] > 0 for r in res)
 
 
+def test_moe_on_four_ranks(pool):
+    res = run_ok(pool, "train_compare", kind="mixtral", strategy="hybrid:2x2", steps=1)
+    check_first_step_exact(res, ["hybrid:2x2"] * 2)
+    assert all(r["graphs"] == 1 and r["token_statistics"] == 4 for r in res)
+
+
 def test_a_sliding_window_makes_ring_compute_fewer_blocks(pool):
     # 32 tokens on 4 ranks, chunks of 8, window of 8: the last rank's chunk sees chunks 2 and 3,
     # not 0 and 1 (causal alone: all 4), in each of 2 layers.

@@ -66,7 +66,7 @@ def attention_shape(node: OpNode, seq_len: float, dropout: bool = False) -> Atte
     ev = lambda x: evaluate(x, seq_len)  # noqa: E731
     return AttentionShape(heads=int(ev(a.heads)), kv_heads=int(ev(a.kv_heads)), head_dim=int(ev(a.head_dim)),
                           batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
-                          causal=a.causal, dropout=dropout)
+                          causal=a.causal, masked=a.masked, window=ev(a.window), dropout=dropout)
 
 
 def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool) -> float:

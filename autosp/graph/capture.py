@@ -32,10 +32,10 @@ import torch.nn as nn
 from autosp.errors import AutospError
 from autosp.graph.build import Built, build, count_params
 from autosp.graph.catalog import ModelSource
-from autosp.graph.hf_compat import unpacked_positions
+from autosp.graph.hf_compat import attention_window, unpacked_positions
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
-from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, op_flops, prod
+from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
 
 DEFAULT_LM_INPUTS = "input_ids:int64[B,S],labels:int64[B,S]"
 
@@ -258,6 +258,8 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
                 return b
         return None
 
+    config = getattr(built.module, "config", None)
+    windows = [attention_window(b, config) if built.is_hf else 0 for b in built.blocks]
     seq_nr_block: dict[int, int | None] = {}
     for i, n in enumerate(nodes[:boundary]):
         nr = n.meta.get("seq_nr")
@@ -286,8 +288,12 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
         attention = None
         if kind == OpKind.ATTENTION:
             q, k = attention_operands(n.target, arg_shapes)
+            masked = is_masked_call(n.target, n.args, n.kwargs)
+            # A causal LM's explicit mask (a sliding window; padding at run time) is causal too.
             attention = AttentionOp(batch=prod(q[:-3]), heads=q[-3], kv_heads=k[-3], q_len=q[-2], kv_len=k[-2],
-                                    head_dim=q[-1], causal=is_causal_call(n.target, n.args, n.kwargs))
+                                    head_dim=q[-1], causal=is_causal_call(n.target, n.args, n.kwargs)
+                                    or (masked and built.is_hf), masked=masked,
+                                    window=windows[layer] if layer is not None and masked else 0)
         g.add_node(n.name, op=OpNode(
             name=n.name, target=str(n.target), kind=kind, phase=phase, layer=layer, shapes=shapes,
             dtypes=[str(t.dtype).replace("torch.", "") for t in tvals],

@@ -46,3 +46,36 @@ def unpacked_positions(active: bool = True) -> Iterator[None]:
 
 def _not_packed(position_ids):  # noqa: ANN001 - mirrors the HF signature
     return None
+
+
+def attention_window(block: object, config: object) -> int:
+    """The sliding window (tokens) of one transformer block's causal mask, 0 for none.
+
+    Families that mix window and full layers store the window on the attention module
+    (``sliding_window``, None on full layers); the others (Mistral) apply the config's to all."""
+    for m in block.modules():                    # type: ignore[attr-defined]
+        if "sliding_window" in vars(m):
+            return int(m.sliding_window or 0)
+    if getattr(config, "layer_types", None):
+        return 0
+    return int(getattr(config, "sliding_window", None) or 0)
+
+
+
+def is_hf_experts(cls: type) -> bool:
+    """A transformers mixture-of-experts ``*Experts`` module (its forward, whichever experts
+    implementation runs, maps each routed token through its experts and back: token-local)."""
+    return hasattr(cls, "_apply_gate") and cls.__name__.endswith("Experts")
+
+
+def install_output_hooks(module: object) -> None:
+    """Install transformers' output-capturing hooks (router logits, hidden states) now.
+
+    transformers installs them at the model's first call, under a ``threading.Lock`` that
+    Dynamo cannot trace: a model compiled before it ever ran eagerly would break its graph
+    there, and its LM head and loss would run in a graph of their own."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:          # other transformers versions: nothing to prepare
+        return
+    maybe_install_capturing_hooks(module)

@@ -54,7 +54,9 @@ class AttentionOp:
     q_len: Size
     kv_len: Size
     head_dim: Size
-    causal: bool
+    causal: bool                     # what the tokens may see is causal (flag or the model's mask)
+    masked: bool = False             # the kernel gets an explicit mask (it then computes every block)
+    window: int = 0                  # sliding window of the model's causal mask, tokens (0: none)
 
 
 @dataclass

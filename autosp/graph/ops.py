@@ -127,6 +127,14 @@ def is_causal_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> 
     return bool(kwargs.get("is_causal", _is_causal(args, op_name(target).endswith("_backward"))))
 
 
+def is_masked_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """An explicit mask is passed (keyword ``attn_mask`` on every fused kernel; 4th positional
+    argument of ``scaled_dot_product_attention`` itself)."""
+    if kwargs.get("attn_mask") is not None:
+        return True
+    return op_name(target) == "scaled_dot_product_attention" and len(args) > 3 and args[3] is not None
+
+
 def _is_causal(args: Sequence[Any], backward: bool) -> bool:
     # Positional layout of the CPU flash kernel and its backward:
     #   fwd(query, key, value, dropout_p, is_causal, ...)

@@ -22,11 +22,13 @@ new module with a ``@register``-ed subclass (see ``tests/toy_strategy.py``).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from autosp.errors import AutospError
+from autosp.strategies.blockwise import MASK_TILE
 from autosp.strategies.layout import n_chunks, rank_chunks
 
 AUTO = "auto"
@@ -55,9 +57,10 @@ class AttentionShape:
     batch: float = 1
     seq_len: float = 0
     elem_bytes: int = 2
-    causal: bool = True
+    causal: bool = True                    # tokens see only the past (the flag, or a causal LM's mask)
     masked: bool = False                   # an explicit attention mask is passed
     dropout: bool = False                  # attention dropout is on
+    window: float = 0                      # the mask's sliding window in tokens (0: none)
 
     def bytes(self, heads: float, tokens: float) -> float:
         """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""
@@ -248,11 +251,32 @@ def blockwise_kernel_calls(shape: AttentionShape, mesh: SPMesh, heads: float, ri
     out = []
     for g in range(ring):
         ids = [x for j in range(u) for x in rank_chunks(lay, g * u + j, sp)]
-        if shape.causal:
+        if shape.masked:
+            out.append([masked_tile_calls(shape, heads, ids, n, c)])
+        elif shape.causal:
             out.append([KernelCall(heads, c, c, d, True, len(ids)), KernelCall(heads, c, c, d, False, sum(ids))])
         else:
             out.append([KernelCall(heads, c, c, d, False, len(ids) * n)])
     return out
+
+
+def masked_tile_calls(shape: AttentionShape, heads: float, ids: list[int], n: int, c: float) -> KernelCall:
+    """Under an explicit mask the kernels work on tiles (chunks of ``c`` tokens cut into ``m``
+    tiles of ``t <= MASK_TILE``) and skip the tiles the mask hides; each tile it shows costs a
+    full (masked, non-causal) call. Causal with window ``w``: query tile ``a`` sees key tiles
+    ``a - d`` for ``0 <= d <= min(a, d_max)``, where ``d_max = ceil((w - 1) / t)`` (the nearest
+    tokens of tile ``a - d`` are ``(d - 1) t + 1`` apart); without a window ``d_max = a``."""
+    m = 1
+    while c / m > MASK_TILE:
+        m *= 2
+    t = c / m
+    q_tiles = [x * m + k for x in ids for k in range(m)]
+    if not shape.causal:
+        count = len(q_tiles) * n * m
+    else:
+        d_max = math.ceil((shape.window - 1) / t) if shape.window else None
+        count = sum(min(a, d_max if d_max is not None else a) + 1 for a in q_tiles)
+    return KernelCall(heads, t, t, shape.head_dim, False, count)
 
 
 def ring_workspace(shape: AttentionShape, mesh: SPMesh) -> float:

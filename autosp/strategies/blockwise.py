@@ -11,7 +11,9 @@ and not at all when ``b > a``: no ``S x S`` mask is ever built.
 An explicit mask (``[B|1, H|1, S|1, S]``, boolean or additive, over global token
 order, as the model built it) is cut the same way: each (query chunk, key chunk)
 pair reads its mask block, and a block that masks everything is skipped, so a
-sliding window or packed documents cost only the blocks they see. A block that
+sliding window or packed documents cost only the blocks they see (under a mask,
+chunks are cut into tiles of at most ``MASK_TILE`` tokens, so a window shorter than
+a rank's chunk still hides whole tiles). A block that
 masks nothing runs unmasked. Rows a block masks entirely get ``lse = -inf`` there
 (the kernel reports 0), so they add nothing when merged.
 
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autosp.errors import AutospError
 
@@ -111,33 +114,84 @@ def chunk_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list
 
 Pair = tuple[int, int, bool, "Tensor | None", "Tensor | None"]
 
+# Under a mask, chunks are cut into tiles of at most this many tokens, so a window or a short
+# document hides whole tiles even when a rank's chunk is longer than the window.
+MASK_TILE = 1024
+
+
+def tiles(chunks: list[int], chunk_len: int, masked: bool) -> tuple[list[int], int]:
+    """The chunk ids and length the kernels work on: the chunks themselves, or under a mask
+    their tiles (chunk ``c`` of ``m`` tiles holds tiles ``c*m .. c*m+m-1``: still global ids)."""
+    m = 1
+    while masked and chunk_len // m > MASK_TILE and chunk_len % (2 * m) == 0:
+        m *= 2
+    return [c * m + t for c in chunks for t in range(m)], chunk_len // m
+
 
 def visible_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool, mask: Tensor | None, chunk_len: int,
                   dtype: torch.dtype) -> list[Pair]:
     """:func:`chunk_pairs` with, per pair, the additive mask block (None: sees everything) and the
     rows it sees (None: all of them); pairs whose mask block hides everything are left out."""
     pairs: list[Pair] = []
-    if mask is not None and mask.shape[-1] % chunk_len:
+    if mask is None:
+        return [(i, j, c, None, None) for i, j, c in chunk_pairs(q_chunks, kv_chunks, causal)]
+    if mask.shape[-1] % chunk_len:
         raise AutospError(f"the attention mask covers {mask.shape[-1]} keys, not whole chunks of {chunk_len} "
                           "tokens; build it over the full (padded) sequence")
+    status = _block_status(mask, q_chunks, chunk_len)
     for i, j, c in chunk_pairs(q_chunks, kv_chunks, causal):
-        if mask is None:
+        a, b = q_chunks[i], kv_chunks[j]
+        seen = int(status[i][b])
+        if seen == _HIDDEN:
+            continue
+        if seen == _SHOWN:
             pairs.append((i, j, c, None, None))
             continue
-        a, b = q_chunks[i], kv_chunks[j]
         rows = mask if mask.shape[-2] == 1 else mask.narrow(-2, a * chunk_len, chunk_len)
         block = rows.narrow(-1, b * chunk_len, chunk_len)
-        seen = block if block.dtype == torch.bool else block > float("-inf")
-        if not bool(seen.any()):
-            continue
         if block.dtype == torch.bool:
-            bias = None if bool(seen.all()) else torch.zeros(block.shape, dtype=dtype, device=block.device
-                                                             ).masked_fill_(~block, float("-inf"))
+            zero, hide = (torch.full((), x, dtype=dtype, device=block.device) for x in (0.0, float("-inf")))
+            bias, visible = torch.where(block, zero, hide), block
         else:
-            bias = block.to(dtype) if bool(block.any()) else None
-        rows_seen = seen.any(-1)
+            bias, visible = block.to(dtype), block > float("-inf")
+        rows_seen = visible.any(-1)
         pairs.append((i, j, c, bias, None if bool(rows_seen.all()) else rows_seen))
     return pairs
+
+
+_HIDDEN, _PARTIAL, _SHOWN = 0, 1, 2
+# Per mask tensor (by identity, held weakly) and version: the status of every key block for a
+# rank's query blocks. Every layer of a step shares one mask, and backward reads what forward
+# read: the S x S mask is scanned once per step, not per layer and direction.
+_STATUS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _block_status(mask: Tensor, q_chunks: list[int], chunk_len: int) -> list[Tensor]:
+    """Per query block, ``[S / chunk_len]`` statuses over all key blocks: hidden, partial or shown."""
+    key = (mask._version, tuple(q_chunks), chunk_len)
+    per_mask = _STATUS.setdefault(mask, {})
+    if key not in per_mask:
+        m = mask
+        for d in range(m.dim() - 2):               # broadcast dims (stride 0) hold one value
+            if m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+        n_k = m.shape[-1] // chunk_len
+        out = []
+        for a in q_chunks:
+            rows = m if m.shape[-2] == 1 else m.narrow(-2, a * chunk_len, chunk_len)
+            blocks = rows.unflatten(-1, (n_k, chunk_len))
+            dims = tuple(d for d in range(blocks.dim()) if d != blocks.dim() - 2)
+            if blocks.dtype == torch.bool:           # a byte view: one pass each for any and all
+                u = blocks.view(torch.uint8)
+                some, every = u.amax(dim=dims) > 0, u.amin(dim=dims) > 0
+            else:
+                some = (blocks > float("-inf")).flatten(0, -3).any(0).any(-1) if blocks.shape[-2] else None
+                every = (blocks == 0).flatten(0, -3).all(0).all(-1)
+            out.append(some.to(torch.int8) + every.to(torch.int8))
+        if len(per_mask) > 64:
+            per_mask.clear()
+        per_mask[key] = out
+    return per_mask[key]
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:
@@ -156,9 +210,12 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_chun
     """Merge the attention of ``q`` over this key block into the running ``acc`` (in place)."""
     acc_out, acc_lse = acc
     n_heads = q.shape[1]
+    length = q.shape[2] // len(q_chunks)
+    q_chunks, length = tiles(q_chunks, length, mask is not None)
+    kv_chunks, _ = tiles(kv_chunks, k.shape[2] // len(kv_chunks), mask is not None)
     qs, acc_o, acc_l = q.chunk(len(q_chunks), 2), acc_out.chunk(len(q_chunks), 2), acc_lse.chunk(len(q_chunks), 2)
     ks, vs = k.chunk(len(kv_chunks), 2), v.chunk(len(kv_chunks), 2)
-    pairs = visible_pairs(q_chunks, kv_chunks, causal, mask, qs[0].shape[2], q.dtype)
+    pairs = visible_pairs(q_chunks, kv_chunks, causal, mask, length, q.dtype)
     BLOCK_TALLY["skipped"] += len(chunk_pairs(q_chunks, kv_chunks, causal)) - len(pairs)
     for i, j, c, bias, rows_seen in pairs:
         o, lse = kernel_forward(qs[i], _expand_kv(ks[j], n_heads), _expand_kv(vs[j], n_heads), c, scale, bias)
@@ -180,12 +237,15 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     dq: Tensor, dk: Tensor, dv: Tensor, mask: Tensor | None = None) -> None:
     """Accumulate this key block's share of dQ (into ``dq``) and its dK, dV (into ``dk``, ``dv``)."""
     n_heads, n_kv = q.shape[1], k.shape[1]
+    length = q.shape[2] // len(q_chunks)
+    q_chunks, length = tiles(q_chunks, length, mask is not None)
+    kv_chunks, _ = tiles(kv_chunks, k.shape[2] // len(kv_chunks), mask is not None)
     nq, nk = len(q_chunks), len(kv_chunks)
     if mask is not None:        # rows no key is shown to: the kernel's own convention, lse 0 and out 0
         lse = lse.masked_fill(lse == float("-inf"), 0.0)
     qs, dos, outs, lses, dqs = (t.chunk(nq, 2) for t in (q, dout, out, lse, dq))
     ks, vs, dks, dvs = (t.chunk(nk, 2) for t in (k, v, dk, dv))
-    for i, j, c, bias, _ in visible_pairs(q_chunks, kv_chunks, causal, mask, qs[0].shape[2], q.dtype):
+    for i, j, c, bias, _ in visible_pairs(q_chunks, kv_chunks, causal, mask, length, q.dtype):
         gq, gk, gv = kernel_backward(dos[i].contiguous(), qs[i], _expand_kv(ks[j], n_heads),
                                      _expand_kv(vs[j], n_heads), outs[i].contiguous(), lses[i].contiguous(),
                                      c, scale, bias)

@@ -95,8 +95,9 @@ class Ulysses(Strategy):
         p = mesh.degree
         s_loc = shape.seq_len / p
         return AttentionCost(
+            # an explicit mask (a window, padding) makes the fused kernel compute every block
             kernels=[[KernelCall(shape.batch * shape.heads / p, shape.seq_len, shape.seq_len, shape.head_dim,
-                                 shape.causal)]],
+                                 shape.causal and not shape.masked)]],
             transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes),
             workspace_bytes=2 * shape.bytes(shape.heads, s_loc))          # all-to-all send and receive
 

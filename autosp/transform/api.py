@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
-from autosp.graph.hf_compat import is_hf_model, unpacked_positions
+from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
 from autosp.strategies import AUTO, SPMesh, check_spec, required_layout, resolve
 from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, n_chunks
@@ -176,6 +176,8 @@ class SequenceParallel(nn.Module):
                            torch.compile(module, backend=make_backend(config, self.state), dynamic=True))
         self._signature = inspect.signature(module.forward)
         self._is_hf = is_hf_model(module)
+        if self._is_hf:
+            install_output_hooks(module)
         self._checked = False
         self.plan = None             # the Plan applied, if any
         self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))

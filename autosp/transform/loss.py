@@ -45,3 +45,11 @@ def global_mean(x: Tensor, *, group_name: str) -> Tensor:
     """Mean over all ranks' elements (shards are equal in size)."""
     n = all_reduce_sum(torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device), group_name)
     return all_reduce_sum(x.sum(), group_name) / n
+
+
+def token_total(x: Tensor, *, group_name: str, shards: int = 1) -> Tensor:
+    """A statistic of this rank's tokens made global: a sum or a histogram over them adds up
+    over ranks; a mean over equal shards is the mean of the ranks' means (``shards`` = P)."""
+    total = all_reduce_sum(x, group_name)
+    return total / shards if shards != 1 else total
+

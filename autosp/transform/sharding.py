@@ -51,8 +51,9 @@ from autosp.errors import AutospError
 from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
-from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy
+from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.replicated import sum_grad
+from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
 CE_TARGETS = {F.cross_entropy}
@@ -65,6 +66,8 @@ _DIM_MIXING = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort",
 # Ops whose cost grows with the tokens times a weight: on the full sequence in a sharded graph,
 # they are work SP should have split (reported, see ShardReport.replicated_work).
 _HEAVY = {"linear", "embedding", "matmul", "mm", "bmm", "conv1d", "baddbmm", "addmm"}
+# Reductions over a sharded dim whose per-rank results add up (a mean: of equal shards).
+_TOKEN_STATISTICS = {"sum", "nansum", "mean", "histc", "bincount", "count_nonzero"}
 # Where the dim argument sits when it is not the second positional one.
 _DIM_POSITION = {"split": 2, "chunk": 2, "tensor_split": 2, "topk": 2, "roll": 2}
 
@@ -96,6 +99,7 @@ class ShardReport:
     attention: int = 0
     unmasked_noncausal: bool = False
     global_reductions: int = 0
+    token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0
@@ -154,6 +158,9 @@ class Sharder:
                 self.params.add(n)
             if isinstance(ex, torch.Tensor) and ex.requires_grad:
                 self.with_grad.append(n)
+        # nodes inside a token-local module (mixture-of-experts), by the module's path
+        self.region = {n: r for n in self.graph.nodes if (r := token_local_module(n.meta)) is not None}
+        self.per_rank: dict[fx.Node, str] = {}      # values of this rank's tokens, to stay in their module
         first = next((n for n in self.graph.nodes if n.op == "call_function"), None)
         self.report.starts_at = _where(first) if first is not None else "an empty graph"
 
@@ -269,6 +276,13 @@ class Sharder:
     def _visit(self, n: fx.Node) -> None:
         ins = n.all_input_nodes
         s_in = [a for a in ins if self.place.get(a) is not None]
+        region = self.region.get(n)
+        for a in ins:
+            if a in self.per_rank and self.per_rank[a] != region:
+                raise AutospError(
+                    f"'{a.name}' is computed from this rank's tokens inside token-local module {self.per_rank[a]} "
+                    f"and used outside it ({_where(n)}); under SP each rank holds its own value: return only "
+                    "per-token outputs from the module")
         if n.target in SDPA_TARGETS:
             return self._attention(n)
         if n.target in CE_TARGETS and s_in:
@@ -283,6 +297,12 @@ class Sharder:
             return
         seqful_r = [a for a in ins if self.place.get(a) is None and self.seq_dims(_val(a))]
         meets_param = any(a in self.params for a in ins) and (s_in or seqful_r)
+        # Inside a token-local module a tensor made from the global length (arange(tokens x top-k))
+        # indexes this rank's tokens: it is made from the local length instead.
+        made_from_length = (isinstance(v, torch.Tensor) and bool(self.seq_dims(v))
+                            and all(_val(a) is None or not isinstance(_val(a), torch.Tensor) for a in ins))
+        if region is not None and (s_in or meets_param or made_from_length or any(a in self.per_rank for a in ins)):
+            return self._token_local(n, v, seqful_r, region)
         if not s_in and not meets_param:
             self.place[n] = None
             if _name(n) in _HEAVY and self.seq_dims(v):
@@ -290,6 +310,8 @@ class Sharder:
             return
         if self._is_full_reduction(n):
             return self._global_reduction(n)
+        if _name(n) in _TOKEN_STATISTICS and s_in and isinstance(v, torch.Tensor) and not self.seq_dims(v):
+            return self._token_statistic(n)
         self._check_token_wise(n)
         out_dims = self._out_dims(n, v)
         if out_dims is None:
@@ -367,6 +389,29 @@ class Sharder:
         reduction = n.kwargs.get("reduction", n.args[6] if len(n.args) > 6 else "mean")
         self.place[n] = self.seq_dims(_val(n)) or None if reduction == "none" else None
         self.report.global_reductions += reduction != "none"
+
+    def _token_local(self, n: fx.Node, v: Any, seqful_r: list[fx.Node], region: str) -> None:
+        """Inside a token-local module any op may run on this rank's tokens as it is; what it computes
+        without a sequence dim is this rank's own (:mod:`autosp.transform.token_local`)."""
+        for a in seqful_r:
+            self._replace_input(n, a, self._slice(a))
+        self._localize_shape_args(n)
+        dims = self._out_dims(n, v)
+        self.place[n] = dims
+        if dims is None:
+            self.per_rank[n] = region
+
+    def _token_statistic(self, n: fx.Node) -> None:
+        """A sum, mean or histogram over this rank's tokens: all-reduced where it is made, so what
+        follows (a router's load-balancing loss) sees the statistic of every token."""
+        with self.graph.inserting_after(n):
+            total = self.graph.call_function(token_total, (n,), {
+                "group_name": self.ctx.group_name, "shards": self.ctx.world if _name(n) == "mean" else 1})
+        total.meta = _inserted_meta(n)
+        n.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
+        self._localize_shape_args(n)
+        self.place[n] = self.place[total] = None
+        self.report.token_statistics += 1
 
     def _is_full_reduction(self, n: fx.Node) -> bool:
         name = _name(n)
