@@ -247,8 +247,8 @@ def ring_memory(seq_lens: tuple[int, ...] = (512, 1024), degrees: tuple[int, ...
             q, k, v = (torch.randn(1, h, s // p, 32, generator=g) for h in (8, 2, 2))
             chunks = all_chunks("contiguous", p)
             with PeakBytes() as mem:
-                o, lse = ring_forward(q, k, v, chunks, True, 32 ** -0.5, pg)
-                ring_backward(torch.ones_like(o), q, k, v, o, lse, chunks, True, 32 ** -0.5, pg)
+                o, lse = ring_forward(q, k, v, None, chunks, True, 32 ** -0.5, pg)
+                ring_backward(torch.ones_like(o), q, k, v, o, lse, None, chunks, True, 32 ** -0.5, pg)
             out[f"{p}x{s}"] = mem.peak
         dist.barrier(group=pg)
     dist.barrier()

@@ -102,3 +102,19 @@ def test_masked_chunks_are_cut_into_tiles_that_a_window_hides(monkeypatch):
     # (whole chunks of 8: 3 of 8 pairs, twice the area).
     assert (bw.BLOCK_TALLY["computed"] - before.get("computed", 0),
             bw.BLOCK_TALLY["skipped"] - before.get("skipped", 0)) == (9, 23)
+
+
+def test_the_math_tile_path_cuda_uses_for_masked_tiles_is_exact(monkeypatch):
+    """On CUDA a masked (or fp32) tile runs as fp32 matmuls (no fused kernel there returns its
+    lse under a mask); the same code, forced here on CPU in fp64, against SDPA."""
+    import autosp.strategies.blockwise as bw
+
+    def forward(q, k, v, causal, scale, bias=None):
+        bw.BLOCK_TALLY["computed"] += 1
+        return bw._math_forward(q, k, v, causal, scale, bias)
+
+    monkeypatch.setattr(bw, "kernel_forward", forward)
+    monkeypatch.setattr(bw, "kernel_backward", bw._math_backward)
+    for kind in ("window", "left_pad"):
+        test_chunked_attention_with_a_mask_equals_sdpa_and_skips_hidden_blocks(kind, False)
+    test_chunked_attention_equals_sdpa_forward_and_backward(True, [0, 3], [2, 0, 3, 1])

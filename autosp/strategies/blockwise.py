@@ -63,13 +63,8 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                                                                               scale=scale)
         return out, lse
     if q.device.type == "cuda":
-        if bias is not None:     # the flash kernel takes no mask; the memory-efficient one takes a bias
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _cuda_bias(bias, q, k), True, 0.0,
-                                                                         False, scale=scale)
-            return res[0], res[1][..., :q.shape[-2]]
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            raise AutospError(f"ring / all-gather-KV attention on CUDA uses the flash kernel, which takes bf16 or "
-                              f"fp16, not {q.dtype}; train in bf16 or use strategy='ulysses'")
+        if bias is not None or q.dtype not in (torch.bfloat16, torch.float16):
+            return _math_forward(q, k, v, causal, scale, bias)     # the flash kernel takes no mask, no fp32
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
     raise AutospError(f"blockwise attention has no kernel for device '{q.device.type}'; use strategy='ulysses'")
@@ -80,24 +75,50 @@ def kernel_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-    # No dropout: the RNG state is unused.
+    if bias is not None or q.dtype not in (torch.bfloat16, torch.float16):
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, bias)
+    # Dense (not varlen) flash kernel, no dropout: no cumulative lengths, RNG state unused.
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
-    if bias is not None:
-        pad = -(-q.shape[-2] // 32) * 32 - q.shape[-2]     # the kernel's lse rows are padded to 32
-        res = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, _cuda_bias(bias, q, k), out, torch.nn.functional.pad(lse, (0, pad)), seed, offset, 0.0,
-            [True, True, True, False], False, scale=scale)
-        return res[0], res[1], res[2]
-    # Dense (not varlen) flash kernel: no cumulative lengths.
     res = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
     return res[0], res[1], res[2]
 
 
-def _cuda_bias(bias: Tensor, q: Tensor, k: Tensor) -> Tensor:
-    """The memory-efficient kernel wants a ``[B, H, Lq, Lk]`` bias of q's dtype."""
-    return bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+def _acc(x: Tensor) -> Tensor:
+    return x.to(acc_dtype(x))
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, bias: Tensor | None) -> Tensor:
+    s = torch.matmul(_acc(q), _acc(k).transpose(-2, -1)) * scale
+    if bias is not None:
+        s = s + _acc(bias)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                  bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One tile in fp32 (fp64 for fp64) matmuls, for what no fused CUDA kernel returns an lse for (a masked tile,
+    fp32): tiles are at most MASK_TILE tokens, so the scores stay small."""
+    s = _scores(q, k, causal, scale, bias)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))   # rows that see nothing: 0
+    return torch.matmul(p, _acc(v)).to(q.dtype), lse
+
+
+def _math_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                   scale: float, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The tile's share of dQ, dK, dV from the merged ``out`` and ``lse`` (the fused kernels' math)."""
+    p = torch.exp(_scores(q, k, causal, scale, bias) - _acc(lse).unsqueeze(-1))
+    do = _acc(dout)
+    dv = torch.matmul(p.transpose(-2, -1), do)
+    dp = torch.matmul(do, _acc(v).transpose(-2, -1))
+    ds = p * (dp - (do * _acc(out)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, _acc(k)) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), _acc(q)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def chunk_pairs(q_chunks: list[int], kv_chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
@@ -224,6 +245,7 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_chun
             w_old, w_new = torch.exp(acc_l[i] - new), torch.exp(lse - new)
         else:   # rows this block hides: lse -inf; rows no block has shown yet stay -inf with weight 0
             lse = lse.to(acc_l[i].dtype).masked_fill(~rows_seen, float("-inf"))
+            o = o.masked_fill(~rows_seen.unsqueeze(-1), 0.0)        # some kernels leave NaN there
             new = torch.logaddexp(acc_l[i], lse)
             shown = new > float("-inf")
             w_old = torch.where(shown, torch.exp(acc_l[i] - new), 0.0)
