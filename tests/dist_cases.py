@@ -69,6 +69,11 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, **common)
         cfg._experts_implementation = "eager"
         return transformers.AutoModelForCausalLM.from_config(cfg)
+    if kind == "gemma2":          # transformers offers it eager attention only
+        cfg = transformers.Gemma2Config(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
+                                        vocab_size=128, attn_implementation="eager")
+        return transformers.AutoModelForCausalLM.from_config(cfg)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)

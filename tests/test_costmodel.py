@@ -101,3 +101,24 @@ def test_checkpointing_modes_keep_what_they_apply(llama8b):
     assert m["full"] == hidden
     assert m["selective"] == 2 * (4 * 4096 + 2 * 1024 + 2 * 14336) * 8192 + 4 * 32 * 8192 + hidden
     assert m["full"] < m["selective"] < m["none"]
+
+
+def test_ring_costs_the_tiles_a_sliding_window_shows():
+    """Ring under a causal mask (HF's, no window) vs a 4096-token window at 32k tokens, SP 2: the
+    busiest rank's calls are the masked tiles each shows (bench/window.py measured the same
+    counts: 392 and 80)."""
+    from autosp.strategies import AttentionShape, SPMesh, resolve
+
+    ring, mesh = resolve("ring"), SPMesh(2)
+    base = dict(heads=4, kv_heads=4, head_dim=32, seq_len=32768, elem_bytes=4, masked=True)
+    calls = {w: max(sum(c.count for c in r) for r in ring.cost(AttentionShape(**base, window=w), mesh).kernels)
+             for w in (0, 4096)}
+    # Rank 1 holds tiles 16..31 of 1024 tokens. Causal: tile a sees a+1 tiles -> sum(17..32) = 392.
+    # Window 4096: d_max = ceil(4095 / 1024) = 4 -> 5 tiles each -> 80.
+    assert calls == {0: 392, 4096: 80}
+    # Without a mask the fused causal kernel runs whole chunks: 1 causal + 1 full call.
+    unmasked = ring.cost(AttentionShape(heads=4, kv_heads=4, head_dim=32, seq_len=32768, elem_bytes=4), mesh)
+    assert [sum(c.count for c in r) for r in unmasked.kernels] == [1, 2]
+    # Ulysses' fused kernel computes every block under a mask: non-causal area.
+    uly = resolve("ulysses").cost(AttentionShape(**base, window=4096), mesh)
+    assert [c.causal for c in uly.kernels[0]] == [False]

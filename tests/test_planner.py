@@ -97,3 +97,35 @@ def test_cli_plan_json(capsys, tmp_path):
     assert doc["world_size"] == 4 and doc["sp_degree"] * doc["dp_degree"] == 4
     assert doc["predicted"]["total_s"] > 0 and doc["alternatives"]
     assert json.loads(out.read_text())["fingerprint"] == doc["fingerprint"]
+
+
+def _hf(kind: str):
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import dist_cases
+    import transformers
+
+    if kind == "falcon_mqa":      # one K/V head broadcast over 4 query heads
+        return transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, attn_implementation="sdpa"))
+    return dist_cases.build(kind, **({"sliding_window": 8} if kind == "mistral" else {}))
+
+
+@pytest.mark.parametrize("kind", ["falcon_mqa", "mixtral", "qwen2_moe", "mistral"])
+def test_the_planner_plans_the_models_the_transform_runs(kind):
+    from autosp.graph.ops import OpKind
+
+    g = capture(_hf(kind), seq_len=64, dtype="float32")
+    attn = [op.attention for op in g.nodes(phase="fwd", kind=OpKind.ATTENTION)]
+    assert len(attn) == 2                                  # one fused attention op per layer
+    if kind == "falcon_mqa":
+        assert [a.kv_heads for a in attn] == [1, 1]
+    if kind == "mistral":                                  # the sliding window is known to the costs
+        assert [(a.masked, a.causal, a.window) for a in attn] == [(True, True, 8)] * 2
+    if kind in ("mixtral", "qwen2_moe"):                   # experts' grouped matmuls carry their FLOPs
+        grouped = [op for op in g.nodes(phase="fwd", kind=OpKind.MATMUL) if "grouped_mm" in op.target]
+        assert len(grouped) == 4 and all(op.flops != 0 for op in grouped)
+    p = plan(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g)
+    assert p.sp_degree == 2 and p.strategy() in ("ulysses", "ring", "zigzag_ring", "allgather_kv")

@@ -74,6 +74,9 @@ def test_eager_attention_is_refused_by_name(pool):
     msgs = run_ok(pool, "expect_error", kind="llama", attn="eager")
     assert "no scaled_dot_product_attention" in msgs[0] and "softmax" in msgs[0]
     assert "attn_implementation='sdpa'" in msgs[0]
+    # Families transformers gives no SDPA (Gemma-2): the message says so instead of suggesting it.
+    msg = run_ok(pool, "expect_error", kind="gemma2")[0]
+    assert "implements no SDPA attention" in msg and "attn_implementation='sdpa'" not in msg, msg
 
 
 def test_registered_torch_compile_backend(pool):

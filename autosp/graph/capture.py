@@ -19,20 +19,22 @@ of token ids.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import networkx as nx
 import sympy
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.graph.build import Built, build, count_params
 from autosp.graph.catalog import ModelSource
-from autosp.graph.hf_compat import attention_window, unpacked_positions
+from autosp.graph.hf_compat import attention_window, experts_as_compiled, unpacked_positions
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
 from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
@@ -158,7 +160,8 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
         return loss, [g for g in grads if g is not None]
 
     try:
-        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf):
+        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), \
+                experts_as_compiled(built.is_hf), _broadcast_kv_as_gqa():
             gm = make_fx(step, tracing_mode="real", decomposition_table=_DECOMPOSITIONS)(params, kwargs)
     except AutospError:
         raise
@@ -212,6 +215,26 @@ def _loss_of(out: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise AutospError(f"the model returned {type(out).__name__}; return a loss tensor, logits, or an object with .loss")
     return loss if loss.numel() == 1 else loss.float().mean()
+
+
+@contextlib.contextmanager
+def _broadcast_kv_as_gqa() -> Iterator[None]:
+    """SDPA broadcasts a single K/V head over every query head (multi-query attention, Falcon);
+    no fused kernel takes that, so SDPA would decompose into matmuls and a softmax and the capture
+    would find no attention op. ``enable_gqa=True`` is the same math on the fused kernel."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if not kwargs.get("enable_gqa") and key.dim() == query.dim() == 4 and hk != hq and hq % hk == 0:
+            kwargs["enable_gqa"] = True
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _explain_trace_failure(name: str, e: Exception) -> str:

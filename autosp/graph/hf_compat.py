@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+
 
 def is_hf_model(module: object) -> bool:
     """A Hugging Face ``PreTrainedModel`` (or anything shaped like one)."""
@@ -79,3 +81,34 @@ def install_output_hooks(module: object) -> None:
     except ImportError:          # other transformers versions: nothing to prepare
         return
     maybe_install_capturing_hooks(module)
+
+
+@contextlib.contextmanager
+def experts_as_compiled(active: bool = True) -> Iterator[None]:
+    """Within this context transformers picks its experts kernel as it does under torch.compile.
+
+    Capture traces on fake tensors outside Dynamo, where transformers would call the grouped
+    matmul kernel for any dtype, whose fake kernel takes bf16 only; compiled training (what
+    capture models) uses its fallback op for other dtypes."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if not active or original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(
+        input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def sdpa_unsupported(module: object) -> bool:
+    """A transformers model whose family has no SDPA attention (Gemma-2, BLOOM): asking for it
+    fails in transformers itself."""
+    return is_hf_model(module) and getattr(type(module), "_supports_sdpa", True) is False
+

@@ -37,7 +37,8 @@ _VIEW_OPS = {
     "unbind", "chunk", "reshape", "narrow", "sym_size", "sym_numel", "sym_stride",
     "lift_fresh_copy", "unflatten", "flatten", "view_as", "expand_as", "diagonal",
 }
-_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "dot", "mv"}
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "dot", "mv",
+               "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}    # experts: [T, K] x [E, K, N]
 _NORM_OPS = {"native_layer_norm", "native_layer_norm_backward", "rms_norm", "_fused_rms_norm",
              "_fused_rms_norm_backward", "layer_norm", "native_group_norm", "native_group_norm_backward",
              "native_batch_norm", "native_batch_norm_backward"}
@@ -103,6 +104,9 @@ def op_flops(target: Any, args: Sequence[Any], kwargs: dict[str, Any],
             a, b = arg_shapes[0], arg_shapes[1]
         elif name in ("addmm", "baddbmm", "addbmm"):
             a, b = arg_shapes[1], arg_shapes[2]
+        elif "grouped_mm" in name:           # each routed token row meets one expert's [K, N]
+            a, b = arg_shapes[0], arg_shapes[1]
+            return 0 if a is None or b is None else 2 * a[0] * a[-1] * b[-1]
         else:
             return 0
         if a is None or b is None:

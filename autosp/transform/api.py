@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
-from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
+from autosp.graph.hf_compat import install_output_hooks, is_hf_model, sdpa_unsupported, unpacked_positions
 from autosp.strategies import AUTO, SPMesh, check_spec, required_layout, resolve
 from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, n_chunks
@@ -296,6 +296,10 @@ class SequenceParallel(nn.Module):
                 "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
                 f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
                 "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
+        if self.state.attention_ops == 0 and sdpa_unsupported(self.module):
+            raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard: transformers "
+                              "implements no SDPA attention for this family (only eager attention), and autosp "
+                              "shards SDPA calls; SP cannot run on this model yet")
         if self.state.attention_ops == 0:
             found = "; ".join(self.state.eager_attention) or "no attention op at all"
             raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "
