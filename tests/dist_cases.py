@@ -130,13 +130,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
-                  inputs: str = "", **cfg: Any) -> dict[str, Any]:
+                  inputs: str = "", layout: str | None = None, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
     kw = {} if plan is not None else {"checkpoint": checkpoint}
+    if layout is not None:
+        kw["layout"] = layout
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     extra = _extra_inputs(inputs, batch, seq_len)
@@ -187,6 +189,15 @@ def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: An
     try:
         _loss(sp, kind, ids, labels)
     except AutospError as e:          # raised as itself, not wrapped in Dynamo's BackendCompilerFailed
+        return str(e)
+    return ""
+
+
+def expect_error_compile(kind: str = "llama", **kw: Any) -> str:
+    """The AutospError message ``autosp.compile`` gives for these arguments, or ''."""
+    try:
+        autosp.compile(build(kind), **kw)
+    except AutospError as e:
         return str(e)
     return ""
 

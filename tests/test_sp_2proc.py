@@ -1,6 +1,7 @@
 """Exact SP numerics on 2 gloo processes against a single-device run."""
 
 import pytest
+import torch
 
 from dist_harness import Pool
 
@@ -137,6 +138,33 @@ def test_moe_with_grouped_experts_and_router_loss_is_exact(pool, kind, strategy)
     for r in res:
         assert r["graphs"] == 1 and r["token_statistics"] == 4, r["graph_reports"]
     check_ran(res[0], strategy, world=2)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_balanced_layout_evens_packed_documents_work(pool, strategy):
+    from autosp.strategies.layout import deal_balanced, set_balanced, work_per_rank
+
+    res = run_ok(pool, "train_compare", strategy=strategy, layout="balanced", steps=1, **MASKED["packed"])
+    check_first_step_exact(res, [strategy] * 2)
+    # Documents of 10, 3 and 19 tokens, 8 chunks of 4: the chunks dealt heaviest-first.
+    pos = torch.cat([torch.arange(10), torch.arange(3), torch.arange(19)]).expand(2, 32)
+    dealt = deal_balanced(pos, 2)
+    assert sorted(dealt[0] + dealt[1]) == list(range(8)) and len(dealt[0]) == 4
+    rep = res[0]["report"]
+    assert rep["attention"][0]["layout"] == "balanced"
+    set_balanced(dealt, 2)
+    try:
+        assert rep["work_per_rank"] == work_per_rank(pos, "balanced", 2)
+    finally:
+        set_balanced(None, 2)
+    contiguous = work_per_rank(pos, "contiguous", 2)
+    assert rep["work_balance"] < max(contiguous) / (sum(contiguous) / 2)
+    assert rep["work_balance"] <= 1.05
+
+
+def test_balanced_layout_needs_the_eager_compiler(pool):
+    msg = run_ok(pool, "expect_error_compile", layout="balanced", compiler="aot_eager")[0]
+    assert "layout='balanced'" in msg and "compiler='eager'" in msg
 
 
 def test_mixed_strategies_per_layer(pool):

@@ -23,7 +23,7 @@ from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import Candidate, Option, Solution, solve, solve_k_best
 from autosp.planner.plan import Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
-from autosp.strategies.layout import LAYOUTS, n_chunks
+from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
 
 
 def _divisors(n: int) -> list[int]:
@@ -47,7 +47,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             continue
         mem = saved_per_layer(graph, seq_len / sp)         # per layer class and checkpointing mode
         saved_total = sum(mem[fp]["none"] * lc.count for fp, lc in graph.layer_classes.items())
-        for layout in LAYOUTS if sp > 1 else LAYOUTS[:1]:
+        for layout in PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1]:
             if seq_len % n_chunks(layout, sp):
                 continue
             mesh = SPMesh(sp, layout, dpn)

@@ -8,6 +8,12 @@ Each rank's tokens are its chunks concatenated in that order. A sequence dim may
 be *flattened* with leading dims (``[B*S, V]`` logits in a loss): its size is
 ``c * S`` and the token index is the inner one, so it is viewed as ``[c, S]``.
 
+  balanced    4P chunks, dealt per batch so that every rank gets about the same
+              causal work *within documents* (packed sequences: a token sees only its
+              own document, so a rank holding a long document's tail would otherwise do
+              most of the work). Set by the wrapper from the position ids before each
+              step (:func:`set_balanced`); without documents it is two zigzag rounds.
+
 The layout is one global choice: every sequence-sharded tensor (ids, labels,
 positions, masks, activations) follows it.
 """
@@ -20,7 +26,12 @@ from torch import Tensor
 from autosp.errors import AutospError
 from autosp.strategies.collectives import all_gather
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+PLANNED_LAYOUTS = ("contiguous", "zigzag")      # balanced depends on each batch's documents
+BALANCED_CHUNKS = 4                             # chunks per rank under the balanced layout
+
+# SP degree -> chunk ids per rank for the current batch (one SP group per process).
+_BALANCED: dict[int, list[list[int]]] = {}
 
 
 def check_layout(layout: str) -> str:
@@ -32,7 +43,46 @@ def check_layout(layout: str) -> str:
 def rank_chunks(layout: str, rank: int, world: int) -> list[int]:
     if layout == "zigzag":
         return [rank, 2 * world - 1 - rank]
+    if layout == "balanced":
+        dealt = _BALANCED.get(world)
+        if dealt is not None:
+            return dealt[rank]
+        return [rank, 2 * world - 1 - rank, 2 * world + rank, 4 * world - 1 - rank]
     return [rank]
+
+
+def token_work(positions: Tensor) -> Tensor:
+    """Keys each token attends to under a causal mask within documents: its position in its
+    document + 1 (positions restart at 0 where a packed document starts)."""
+    return positions.to(torch.float64) + 1
+
+
+def deal_balanced(positions: Tensor, world: int) -> list[list[int]]:
+    """Deal the ``BALANCED_CHUNKS x world`` chunks of ``positions [B, S]`` to ranks, equal counts,
+    heaviest chunk first to the least-loaded rank with room (longest-processing-time greedy)."""
+    n = BALANCED_CHUNKS * world
+    work = token_work(positions).reshape(positions.shape[0], n, -1).sum((0, 2)).tolist()
+    loads, dealt = [0.0] * world, [[] for _ in range(world)]
+    for c in sorted(range(n), key=lambda c: (-work[c], c)):
+        r = min((r for r in range(world) if len(dealt[r]) < BALANCED_CHUNKS), key=lambda r: (loads[r], r))
+        dealt[r].append(c)
+        loads[r] += work[c]
+    return [sorted(d) for d in dealt]
+
+
+def set_balanced(dealt: list[list[int]] | None, world: int) -> None:
+    """The balanced layout's chunks per rank for the next step (None: the default pattern)."""
+    if dealt is None:
+        _BALANCED.pop(world, None)
+    else:
+        _BALANCED[world] = dealt
+
+
+def work_per_rank(positions: Tensor, layout: str, world: int) -> list[float]:
+    """Causal-within-document attention work (query-key pairs) each rank's tokens carry."""
+    n = n_chunks(layout, world)
+    work = token_work(positions).reshape(positions.shape[0], n, -1).sum((0, 2))
+    return [float(work[rank_chunks(layout, r, world)].sum()) for r in range(world)]
 
 
 def all_chunks(layout: str, world: int) -> list[int]:
@@ -41,7 +91,7 @@ def all_chunks(layout: str, world: int) -> list[int]:
 
 
 def n_chunks(layout: str, world: int) -> int:
-    return 2 * world if layout == "zigzag" else world
+    return {"zigzag": 2 * world, "balanced": BALANCED_CHUNKS * world}.get(layout, world)
 
 
 # ------------------------------------------------------------------ tensors

@@ -28,7 +28,7 @@ from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import install_output_hooks, is_hf_model, sdpa_unsupported, unpacked_positions
 from autosp.strategies import AUTO, SPMesh, check_spec, required_layout, resolve
 from autosp.strategies.collectives import TALLY
-from autosp.strategies.layout import check_layout, n_chunks
+from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
 from autosp.transform.checkpointing import check_modes
 from autosp.transform.report import AttentionRow, SPReport
@@ -46,8 +46,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"``, ``"hybrid:UxR"`` (Ulysses degree U
     inside groups of consecutive ranks, ring degree R across), any strategy registered
     with :func:`autosp.strategies.register`, or a list with one per attention layer.
-    ``layout``: ``"contiguous"`` or ``"zigzag"`` token layout for every sharded tensor
-    (default: the layout a named strategy needs, e.g. zigzag for ``zigzag_ring``, else contiguous).
+    ``layout``: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` token layout for every sharded
+    tensor (default: the layout a named strategy needs, e.g. zigzag for ``zigzag_ring``, else
+    contiguous). ``"balanced"`` deals chunks per batch so that packed documents' causal work is
+    even across ranks (see :mod:`autosp.strategies.layout`).
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
     data parallel across). ``reduce_grads=True``: every rank's parameter gradients are the
     single-device ones (the SP sum happens inside the graphs' backward, see
@@ -86,6 +88,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     check_modes(checkpoint)
     layout = _layout_for(strategies, layout)
+    if layout == "balanced" and compiler != "eager":
+        raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
+                          "first batch; use compiler='eager' with it, or layout='zigzag'")
     if not dist.is_available() or not dist.is_initialized():
         if sp_size not in (None, 1) or group is not None:
             raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
@@ -205,7 +210,8 @@ class SequenceParallel(nn.Module):
                 c["calls"] += calls - before[0]
                 c["bytes"] += sent - before[1]
         return SPReport(sp_degree=self.sp_degree, seq_len=step["seq_len"], padded_len=step["padded_len"],
-                        compiled_graphs=len(self.state.reports), attention=rows, collectives=counts)
+                        compiled_graphs=len(self.state.reports), attention=rows, collectives=counts,
+                        work_per_rank=step.get("work", []))
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -238,6 +244,7 @@ class SequenceParallel(nn.Module):
         for name, value in list(named.items()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
                 named[name] = _pad_seq(value, name, padded_len)
+        self._deal_tokens(named, padded_len)
         if self._is_hf and "use_cache" in self._signature.parameters and "use_cache" not in named:
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
         # Python ints stay constants (e.g. HF's logits_to_keep=0 must read as "keep all").
@@ -248,6 +255,18 @@ class SequenceParallel(nn.Module):
         if padded_len == seq_len or self.state.local_outputs:
             return out
         return _trim(out, padded_len, seq_len)
+
+    def _deal_tokens(self, named: dict[str, Any], padded_len: int) -> None:
+        """Under the balanced layout, deal this batch's chunks from its documents (position ids
+        restarting at 0); for the report, every layout's attention work per rank."""
+        pos = named.get("position_ids")
+        if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
+            pos = torch.arange(padded_len).unsqueeze(0)
+        pos = pos.detach().cpu()
+        p = self.sp_degree
+        if self.config.layout == "balanced":
+            set_balanced(deal_balanced(pos, p), p)
+        self._step["work"] = work_per_rank(pos, self.config.layout, p)
 
     def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
         """Plan for this batch (the SP degree is the group's), then configure before compiling."""

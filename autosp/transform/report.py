@@ -36,15 +36,24 @@ class SPReport:
     compiled_graphs: int
     attention: list[AttentionRow] = field(default_factory=list)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)   # kind -> calls, bytes
+    # causal-within-document query-key pairs each rank's tokens carry (the layout's balance)
+    work_per_rank: list[float] = field(default_factory=list)
+
+    @property
+    def work_balance(self) -> float:
+        """Busiest rank's attention work over the mean (1.0 = even)."""
+        w = self.work_per_rank
+        return max(w) / (sum(w) / len(w)) if w and sum(w) else 1.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "work_balance": self.work_balance}
 
     def __rich__(self) -> Any:
         from rich.table import Table
 
         t = Table(title=f"autosp: SP degree {self.sp_degree}, {self.seq_len} tokens (padded to "
-                        f"{self.padded_len}), {self.compiled_graphs} compiled graphs")
+                        f"{self.padded_len}), {self.compiled_graphs} compiled graphs, attention work busiest / "
+                        f"mean rank {self.work_balance:.2f}")
         for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
                     "tokens per rank", "checkpoint"):
             t.add_column(col, justify="right")
