@@ -6,6 +6,7 @@ Public API:
     autosp.Plan                     the plan document (save / load / check)
     autosp.load_profile(name)       a hardware profile (costmodel/, profiles/)
     autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
+    autosp.token_local(cls)         declare a module whose output per token depends on that token alone
     torch.compile(model, backend="autosp", dynamic=True)
 """
 
@@ -17,6 +18,7 @@ from autosp.planner.search import plan
 from autosp.transform.api import SequenceParallel
 from autosp.transform.api import compile as _compile
 from autosp.transform.backend import register as _register_backend
+from autosp.transform.token_local import token_local
 
 _register_backend()
 
@@ -35,5 +37,6 @@ def compile(model, *, plan=None, **kwargs):  # noqa: A001 - mirrors torch.compil
 
 compile.__doc__ = (compile.__doc__ or "") + "\n\n" + (_compile.__doc__ or "")
 
-__all__ = ["compile", "plan", "Plan", "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError"]
+__all__ = ["compile", "plan", "Plan", "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError",
+           "token_local"]
 __version__ = "0.1.0"

@@ -43,8 +43,45 @@ class _BreakAfterBlock(torch.nn.Module):
         return x
 
 
+@autosp.token_local
+class _SortedMLP(torch.nn.Module):
+    """Token-local by declaration, yet it sorts its tokens (by their sum) before its linear layer
+    and scatters them back, as an experts module does; ``leak`` returns a per-rank count too."""
+
+    def __init__(self, dim: int, leak: bool):
+        super().__init__()
+        self.lin, self.leak = torch.nn.Linear(dim, dim), leak
+
+    def forward(self, x: torch.Tensor) -> Any:
+        flat = x.reshape(-1, x.shape[-1])
+        order = flat.sum(-1).argsort()
+        y = torch.empty_like(flat)
+        y[order] = self.lin(flat[order])
+        out = y.reshape(x.shape)
+        return (out, (flat.sum(-1) > 0).sum()) if self.leak else (out, None)
+
+
+class _TokenLocalModel(torch.nn.Module):
+    def __init__(self, leak: bool = False, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.emb, self.qkv = torch.nn.Embedding(128, dim), torch.nn.Linear(dim, 3 * dim)
+        self.mlp, self.head, self.heads = _SortedMLP(dim, leak), torch.nn.Linear(dim, 128), heads
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        y, count = self.mlp(x)
+        logits = self.head(x + y)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 128), labels.view(-1))
+        return loss if count is None else loss + 0.0 * count
+
+
 def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind in ("token_local", "token_local_leak"):
+        return _TokenLocalModel(leak=kind == "token_local_leak")
     if kind == "reference_break_after":
         model = build("reference", heads, kv)
         model.layers = torch.nn.ModuleList(_BreakAfterBlock(layer) for layer in model.layers)
@@ -93,7 +130,7 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
 
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
           **extra: torch.Tensor) -> torch.Tensor:
-    if kind.startswith("reference"):
+    if kind.startswith("reference") or kind.startswith("token_local"):
         return model(ids, labels=labels)
     # use_cache=False, as autosp runs HF models: without a cache transformers also reads packed
     # documents from restarting position ids (with one, it silently attends across them)

@@ -167,6 +167,13 @@ def test_balanced_layout_needs_the_eager_compiler(pool):
     assert "layout='balanced'" in msg and "compiler='eager'" in msg
 
 
+def test_a_module_declared_token_local_may_sort_its_tokens_but_not_leak_per_rank_values(pool):
+    res = run_ok(pool, "train_compare", kind="token_local", strategy="ulysses", steps=1)
+    check_first_step_exact(res, ["ulysses"])
+    msg = run_ok(pool, "expect_error", kind="token_local_leak", strategy="ulysses")[0]
+    assert "token-local module mlp" in msg and "used outside it" in msg, msg
+
+
 def test_mixed_strategies_per_layer(pool):
     # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]),

@@ -14,6 +14,12 @@ Propagation, in graph order:
                                          (:mod:`autosp.strategies`); q,k,v S
   * ``F.cross_entropy`` on S logits   -> global token-weighted loss (R)
   * ``.sum()/.mean()`` of an S tensor -> global sum / mean (R)
+  * a sum, mean or histogram *over* the sharded dim (a router's load-balancing
+    statistics) -> all-reduced where it is made (R)
+  * inside a token-local module (:mod:`autosp.transform.token_local`: a
+    mixture-of-experts layer) any op runs on this rank's tokens as it is; tensors
+    made from the global length there are made from the local one, and values
+    without a sequence dim stay in the module (per rank)
   * any other op with an S input, or one that meets a *parameter* and a tensor
     with a sequence dim (the embedding lookup, the first projection), is
     token-wise: its output is S; R inputs with a sequence dim are sliced to

@@ -14,6 +14,7 @@ Transformers' experts modules are recognised (:func:`autosp.graph.hf_compat.is_h
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from autosp.graph.hf_compat import is_hf_experts
@@ -36,5 +37,5 @@ def token_local_module(meta: dict[str, Any]) -> str | None:
     """The path of the token-local module an FX node runs inside (from its ``nn_module_stack``), or None."""
     for path, cls in (meta.get("nn_module_stack") or {}).values():
         if is_token_local(cls):
-            return str(path)
+            return re.sub(r"^L\['self'\]\.?", "", str(path)) or type(cls).__name__   # Dynamo's root prefix
     return None
