@@ -83,6 +83,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _documents(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        docs = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise AutospError(f"--documents takes comma-separated token counts, e.g. 1024,4096,2048; got '{text}'") \
+            from None
+    if any(d <= 0 for d in docs):
+        raise AutospError(f"--documents lengths must be positive, got {text}")
+    return docs
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from autosp.planner.report import plan_table
     from autosp.planner.search import plan
@@ -99,7 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         if args.seq_len is None:
             raise AutospError("give --seq-len N, or --max-seq-len to find the longest that fits")
-        p = plan(args.model, seq_len=args.seq_len, **common)
+        p = plan(args.model, seq_len=args.seq_len, documents=_documents(args.documents), **common)
     if args.html:
         from autosp.planner.html_report import write_html
 
@@ -187,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.add_argument("--html", default=None, help="write an HTML report with plots here")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits this world")
+    p.add_argument("--documents", default=None,
+                   help="lengths of the documents packed into each sequence, comma-separated (sum = --seq-len)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("explain", help="run one SP training step on local CPU processes and show what autosp did")

@@ -45,4 +45,5 @@ def explain(model: str, seq_len: int, nproc: int = 2, batch_size: int = 1, strat
     doc = spawn_gloo(_step, nproc, threads=1, timeout=900, model=model, seq_len=seq_len, batch_size=batch_size,
                      strategy=strategy, checkpoint=checkpoint, compiler=compiler)
     rows = [AttentionRow(**r) for r in doc.pop("attention")]
+    doc.pop("work_balance", None)             # derived from work_per_rank
     return SPReport(attention=rows, **doc)

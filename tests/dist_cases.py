@@ -117,10 +117,10 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
     else:
         cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
                "qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "mixtral": "MixtralConfig",
-               "qwen2_moe": "Qwen2MoeConfig"}[kind]
-        if kind in ("mixtral", "qwen2_moe"):      # grouped experts (the default), router aux loss on
+               "qwen2_moe": "Qwen2MoeConfig", "granitemoe": "GraniteMoeConfig"}[kind]
+        if kind in ("mixtral", "qwen2_moe", "granitemoe"):   # grouped experts (the default), router loss on
             extra = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
-                         **{"num_local_experts" if kind == "mixtral" else "num_experts": 4}, **extra)
+                         **{"num_experts" if kind == "qwen2_moe" else "num_local_experts": 4}, **extra)
             if kind == "qwen2_moe":
                 extra.update(moe_intermediate_size=64, shared_expert_intermediate_size=64)
         cfg = getattr(transformers, cls)(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,

@@ -122,3 +122,26 @@ def test_ring_costs_the_tiles_a_sliding_window_shows():
     # Ulysses' fused kernel computes every block under a mask: non-causal area.
     uly = resolve("ulysses").cost(AttentionShape(**base, window=4096), mesh)
     assert [c.causal for c in uly.kernels[0]] == [False]
+
+
+def test_ring_costs_the_tiles_packed_documents_show():
+    """The bench/packed.py mix (8 documents of 1024 tokens, then 24576) on 2 ranks, contiguous:
+    rank 0's 16 tiles see 8 x 1 + (1..8) = 44, rank 1's see 9..24 = 264 per layer, the kernel
+    calls bench/packed.py counted ([88, 528] over 2 layers)."""
+    from autosp.strategies import AttentionShape, SPMesh, resolve
+
+    docs = (1024,) * 8 + (24576,)
+    shape = AttentionShape(heads=8, kv_heads=4, head_dim=32, seq_len=32768, elem_bytes=4, masked=True,
+                           documents=docs)
+    calls = [sum(c.count for c in r) for r in resolve("ring").cost(shape, SPMesh(2)).kernels]
+    assert calls == [44, 264]
+
+
+def test_plan_costs_packed_documents(capsys):
+    from autosp.cli import main
+
+    assert main(["plan", "--model", "tiny", "--seq-len", "4096", "--world-size", "2", "--profile", "cpu-gloo",
+                 "--dtype", "float32", "--documents", "1024,1024,2048", "--json"]) == 0
+    assert main(["plan", "--model", "tiny", "--seq-len", "4096", "--world-size", "2", "--profile", "cpu-gloo",
+                 "--documents", "1024,1024"]) != 0
+    assert "sum to the sequence length" in capsys.readouterr().err

@@ -129,7 +129,8 @@ def test_blockwise_strategies_take_masks_and_skip_hidden_blocks(pool, strategy, 
     check_ran(res[0], strategy, world=2)
 
 
-@pytest.mark.parametrize("kind,strategy", [("mixtral", "ulysses"), ("qwen2_moe", "ring")])
+@pytest.mark.parametrize("kind,strategy", [("mixtral", "ulysses"), ("qwen2_moe", "ring"),
+                                           ("granitemoe", "allgather_kv")])
 def test_moe_with_grouped_experts_and_router_loss_is_exact(pool, kind, strategy):
     # Default (grouped) experts: each rank routes its own tokens; the load-balancing loss sees
     # every token (per layer a histogram and a sum over tokens, all-reduced: 4 for 2 layers).

@@ -58,15 +58,21 @@ class Prediction:
     gradient_comm_s: float = 0.0
 
 
-def attention_shape(node: OpNode, seq_len: float, dropout: bool = False) -> AttentionShape:
-    """The strategy-facing shape of a captured attention op at ``seq_len`` tokens."""
+def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
+                    documents: tuple[int, ...] = ()) -> AttentionShape:
+    """The strategy-facing shape of a captured attention op at ``seq_len`` tokens; ``documents``:
+    packed document lengths (the model then gets a causal mask within each)."""
     a = node.attention
     if a is None:
         raise AutospError(f"op {node.name} is not an attention op")
+    if documents and sum(documents) != seq_len:
+        raise AutospError(f"the documents hold {sum(documents)} tokens but the sequence has {int(seq_len)}; "
+                          "give lengths that sum to the sequence length")
     ev = lambda x: evaluate(x, seq_len)  # noqa: E731
     return AttentionShape(heads=int(ev(a.heads)), kv_heads=int(ev(a.kv_heads)), head_dim=int(ev(a.head_dim)),
                           batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
-                          causal=a.causal, masked=a.masked, window=ev(a.window), dropout=dropout)
+                          causal=a.causal or bool(documents), masked=a.masked or bool(documents),
+                          window=ev(a.window), documents=tuple(documents), dropout=dropout)
 
 
 def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool) -> float:
@@ -89,7 +95,8 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
 
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
             layout: str | None = None, seq_len: int | None = None, dp: int = 1, zero_stage: int = 0,
-            reduce_grads: bool = True, devices_per_node: int | None = None) -> Prediction:
+            reduce_grads: bool = True, devices_per_node: int | None = None,
+            documents: tuple[int, ...] = ()) -> Prediction:
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
         raise AutospError(f"sequence length {S} is not divisible by the SP degree {sp}; pad it to "
@@ -115,7 +122,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         if a.kind == OpKind.VIEW:
             continue
         if a.kind == OpKind.ATTENTION:
-            shape = attention_shape(a, S, graph.attention_dropout)
+            shape = attention_shape(a, S, graph.attention_dropout, documents)
             if shape not in costs:
                 reason = strat.illegal(shape, mesh)
                 if reason:

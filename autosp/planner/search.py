@@ -33,12 +33,13 @@ def _divisors(n: int) -> list[int]:
 def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int,
                      seq_len: int, sp_degrees: tuple[int, ...] | None = None,
                      checkpoints: tuple[str, ...] = CHECKPOINTS,
-                     strategies: tuple[str, ...] | None = None) -> tuple[list[Candidate], dict]:
+                     strategies: tuple[str, ...] | None = None,
+                     documents: tuple[int, ...] = ()) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options; ``strategies`` restricts the strategy families."""
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
-    shape = attention_shape(nodes[0], seq_len, graph.attention_dropout)
+    shape = attention_shape(nodes[0], seq_len, graph.attention_dropout, documents)
     cands: list[Candidate] = []
     preds: dict[tuple, dict[str, Prediction]] = {}
     total_layers = sum(lc.count for lc in graph.layer_classes.values())
@@ -55,7 +56,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             if not strats:
                 continue
             ps = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len, dp=world // sp,
-                                   zero_stage=zero_stage, devices_per_node=dpn) for st in strats}
+                                   zero_stage=zero_stage, devices_per_node=dpn, documents=documents)
+                  for st in strats}
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
             cand = Candidate(key=(sp, layout), base_time_s=first.total_s - layer_time[first.strategy],
@@ -83,10 +85,12 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
          dtype: str = "bfloat16", graph: OpGraph | None = None, alternatives: int = 5,
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
-         strategies: tuple[str, ...] | None = None) -> Plan:
+         strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
-    ``sp_degrees``, ``checkpoints`` and ``strategies`` (strategy families) restrict the space."""
+    ``sp_degrees``, ``checkpoints`` and ``strategies`` (strategy families) restrict the space;
+    ``documents``: lengths of the documents packed into each sequence (costed with the causal
+    mask within each that the model builds from restarting position ids)."""
     if world_size < 1:
         raise AutospError(f"world size must be at least 1, got {world_size}")
     if zero_stage not in (0, 1, 2, 3):
@@ -99,7 +103,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     t0 = time.perf_counter()
     cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
-                                    strategies)
+                                    strategies, tuple(documents or ()))
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
     ranked = solve_k_best(cands, limit, alternatives + 1) if cands else []

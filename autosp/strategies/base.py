@@ -22,6 +22,7 @@ new module with a ``@register``-ed subclass (see ``tests/toy_strategy.py``).
 
 from __future__ import annotations
 
+import bisect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class AttentionShape:
     masked: bool = False                   # an explicit attention mask is passed
     dropout: bool = False                  # attention dropout is on
     window: float = 0                      # the mask's sliding window in tokens (0: none)
+    documents: tuple[int, ...] = ()        # packed document lengths (a causal mask within each)
 
     def bytes(self, heads: float, tokens: float) -> float:
         """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""
@@ -265,18 +267,29 @@ def masked_tile_calls(shape: AttentionShape, heads: float, ids: list[int], n: in
     tiles of ``t <= MASK_TILE``) and skip the tiles the mask hides; each tile it shows costs a
     full (masked, non-causal) call. Causal with window ``w``: query tile ``a`` sees key tiles
     ``a - d`` for ``0 <= d <= min(a, d_max)``, where ``d_max = ceil((w - 1) / t)`` (the nearest
-    tokens of tile ``a - d`` are ``(d - 1) t + 1`` apart); without a window ``d_max = a``."""
+    tokens of tile ``a - d`` are ``(d - 1) t + 1`` apart); without a window ``d_max = a``. Packed
+    documents: tile ``a`` sees key tiles from the one holding the start of its first token's
+    document (the union of its queries' key ranges is one interval)."""
     m = 1
     while c / m > MASK_TILE:
         m *= 2
     t = c / m
     q_tiles = [x * m + k for x in ids for k in range(m)]
     if not shape.causal:
-        count = len(q_tiles) * n * m
-    else:
-        d_max = math.ceil((shape.window - 1) / t) if shape.window else None
-        count = sum(min(a, d_max if d_max is not None else a) + 1 for a in q_tiles)
+        return KernelCall(heads, t, t, shape.head_dim, False, len(q_tiles) * n * m)
+    d_max = math.ceil((shape.window - 1) / t) if shape.window else None
+    starts = _document_starts(shape.documents)
+    count = 0
+    for a in q_tiles:
+        # packed documents: tile a's queries see keys from their first token's document start on
+        first = int(starts[bisect.bisect_right(starts, a * t) - 1] // t) if starts else 0
+        seen = a - first
+        count += min(seen, d_max if d_max is not None else seen) + 1
     return KernelCall(heads, t, t, shape.head_dim, False, count)
+
+
+def _document_starts(documents: tuple[int, ...]) -> list[int]:
+    return [sum(documents[:i]) for i in range(len(documents))] if documents else []
 
 
 def ring_workspace(shape: AttentionShape, mesh: SPMesh) -> float:

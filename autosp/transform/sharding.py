@@ -480,7 +480,7 @@ class Sharder:
         out = _val(n)
         d = dim % out.dim()
         if d in self.seq_dims(out):
-            nonempty = [t for t in tensors if _val(t).shape[d] != 0]
+            nonempty = [t for t in tensors if _val(t).dim() > d and _val(t).shape[d] != 0]
             if len(nonempty) > 1:
                 raise AutospError(f"concatenation along the sharded sequence dim ({_where(n)}); "
                                   "autosp cannot keep it exact (disable the KV cache: use_cache=False)")
