@@ -23,15 +23,23 @@ from autosp.transform.token_local import token_local
 _register_backend()
 
 
-def compile(model, *, plan=None, **kwargs):  # noqa: A001 - mirrors torch.compile
+def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - mirrors torch.compile
     """``autosp.transform.api.compile``, planned: with ``strategy="auto"`` (the default) and no
     plan, or ``plan="auto"``, the ILP plans for the first batch (see :mod:`autosp.autoplan`;
     if it cannot, the default strategy choice applies, with a warning); a Plan or a plan path
-    applies that plan."""
-    if plan == "auto" or (plan is None and kwargs.get("strategy", "auto") == "auto"):
+    applies that plan. ``memory_limit``: bytes per device the plan must fit (attention strategy
+    and checkpointing per layer chosen at the least predicted time); default the device's."""
+    planned = plan == "auto" or (plan is None and kwargs.get("strategy", "auto") == "auto")
+    if memory_limit is not None and not planned:
+        raise AutospError("memory_limit is a budget for the planner: use it with strategy='auto' (the default) "
+                          "or plan='auto', not with a named strategy or a saved plan")
+    if planned:
         from autosp.autoplan import AutoPlanner
 
-        plan = AutoPlanner(fallback=plan is None)
+        explicit = "checkpoint" in kwargs and kwargs["checkpoint"] != "none"
+        eager = kwargs.get("compiler", "eager") == "eager"
+        plan = AutoPlanner(fallback=plan is None, memory_limit=memory_limit,
+                           checkpoints=("none", "selective", "full") if eager and not explicit else ("none",))
     return _compile(model, plan=plan, **kwargs)
 
 

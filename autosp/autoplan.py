@@ -5,8 +5,10 @@ and the profile of the machine (``cpu-gloo`` on CPU; the H100/H200/A100 profile 
 those GPUs); the plan is broadcast to the other ranks and cached on disk by model
 fingerprint, world size, sequence length and profile (``$XDG_CACHE_HOME/autosp/plans``),
 so a restarted job skips planning. The SP degree is the group's; the planner picks
-the attention strategy per layer and the token layout with no memory limit, so without
-checkpointing (``autosp.compile(checkpoint=...)`` applies it when memory is short).
+the attention strategy and activation checkpointing per layer and the token layout at the
+least predicted time under a memory limit: ``autosp.compile(memory_limit=...)`` in bytes,
+by default the device's (a GPU's capacity; on CPU the available RAM shared by the ranks
+on this machine). Checkpointing is chosen only where it is applied (the eager compiler).
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ def machine_profile(device: torch.device) -> str:
     return "h100-sxm"
 
 
+def device_memory(device: torch.device, local_ranks: int) -> float:
+    """Bytes one rank may use: the GPU's capacity, or on CPU the RAM available now shared by
+    the ranks of this machine (``LOCAL_WORLD_SIZE`` from the launcher, else the SP group)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_ranks))
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return float("inf")
+    return avail / max(per_node, 1)
+
+
 def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "autosp", "plans")
@@ -37,9 +53,12 @@ def _cache_dir() -> str:
 class AutoPlanner:
     """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
 
-    def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False):
+    def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
+                 memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full")):
         self.profile = profile
         self.cache = cache
+        self.memory_limit = memory_limit        # bytes per device; None: the device's
+        self.checkpoints = checkpoints
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
 
@@ -75,13 +94,16 @@ class AutoPlanner:
         dtype = str(param.dtype).replace("torch.", "")
         graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
         schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
-        key = f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}.json"
+        limit = self.memory_limit or device_memory(param.device, world)
+        modes = "-".join(self.checkpoints)
+        key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
+               f"m{int(limit) >> 20}-{modes}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
             return Plan.load(path)
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
-                 sp_degrees=(world,), checkpoints=("none",), memory_limit=float("inf"))
+                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -20,15 +20,16 @@ import time
 from autosp.tools.launch import spawn_gloo
 
 
-def measure(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+def measure(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
+            strategy: str = "ring") -> dict:
     import torch
     import torch.distributed as dist
 
     from autosp.strategies import resolve
     from autosp.strategies.blockwise import BLOCK_TALLY
 
-    strat = resolve("ring")
-    kw = strat.setup(dist.group.WORLD)
+    strat = resolve(strategy)
+    kw = {**strat.setup(dist.group.WORLD), "layout": strat.layout or "contiguous"}
     p, r = dist.get_world_size(), dist.get_rank()
     s_loc = seq_len // p
     g = torch.Generator().manual_seed(r)
@@ -58,12 +59,14 @@ def measure(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int,
     return out
 
 
-def predicted(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int, world: int) -> dict:
+def predicted(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int, world: int,
+              strategy: str = "ring") -> dict:
     from autosp.costmodel.predict import kernel_time, transfer_times
     from autosp.costmodel.profile import load_profile
     from autosp.strategies import AttentionShape, SPMesh, resolve
 
-    prof, strat, mesh = load_profile("cpu-gloo"), resolve("ring"), SPMesh(world)
+    strat = resolve(strategy)
+    prof, mesh = load_profile("cpu-gloo"), SPMesh(world, strat.layout or "contiguous")
     out = {}
     for name, masked, w in (("is_causal", False, 0), ("causal mask", True, 0), (f"window {window}", True, window)):
         shape = AttentionShape(heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, elem_bytes=4,
@@ -84,11 +87,14 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--strategy", default="ring", choices=("ring", "zigzag_ring"),
+                    help="zigzag_ring keeps both ranks busy (as when the profile was measured)")
     a = ap.parse_args()
-    shape = dict(seq_len=a.seq_len, window=a.window, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim)
+    shape = dict(seq_len=a.seq_len, window=a.window, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                 strategy=a.strategy)
     got = spawn_gloo(measure, a.world, threads=1, repeats=a.repeats, **shape)
     pred = predicted(world=a.world, **shape)
-    print(f"ring attention, fwd+bwd, S={a.seq_len}, SP {a.world}, {a.heads} heads x {a.head_dim}, fp32, "
+    print(f"{a.strategy} attention, fwd+bwd, S={a.seq_len}, SP {a.world}, {a.heads} heads x {a.head_dim}, fp32, "
           f"one thread per rank (slowest rank)")
     print(f"{'mask':<14}{'measured s':>11}{'kernel calls':>13}{'predicted s':>12}{'pred calls':>11}{'pred/meas':>10}")
     base_m, base_p = got["causal mask"][0], pred["causal mask"][0]

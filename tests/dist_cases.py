@@ -167,7 +167,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
-                  inputs: str = "", layout: str | None = None, **cfg: Any) -> dict[str, Any]:
+                  inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
+                  **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
@@ -176,6 +177,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     kw = {} if plan is not None else {"checkpoint": checkpoint}
     if layout is not None:
         kw["layout"] = layout
+    if memory_limit is not None:
+        kw = {"memory_limit": memory_limit}
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     extra = _extra_inputs(inputs, batch, seq_len)
@@ -228,6 +231,29 @@ def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: An
     except AutospError as e:          # raised as itself, not wrapped in Dynamo's BackendCompilerFailed
         return str(e)
     return ""
+
+
+def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
+    """autosp.compile(model, memory_limit=...) between the predicted peaks without and with full
+    checkpointing: the planner must checkpoint, the transform apply it, and training stay exact."""
+    import torch.distributed as dist
+
+    from autosp.graph import capture
+    from autosp.planner.search import plan
+
+    world = dist.get_world_size()
+    graph = capture(build("llama"), seq_len=seq_len, batch_size=2, dtype="float32")
+    peak = {k: plan(None, graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo",
+                    sp_degrees=(world,), checkpoints=(k,), memory_limit=float("inf")).predicted["peak_bytes"]
+            for k in ("none", "full")}
+    limit = (peak["none"] + peak["full"]) / 2
+    import os
+    import tempfile
+
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp()        # plan afresh, not from a cached plan
+    out = train_compare("llama", seq_len=seq_len, steps=1, plan=None, memory_limit=limit)
+    out["peaks"], out["limit"] = peak, limit
+    return out
 
 
 def expect_error_compile(kind: str = "llama", **kw: Any) -> str:

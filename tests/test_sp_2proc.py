@@ -175,6 +175,16 @@ def test_a_module_declared_token_local_may_sort_its_tokens_but_not_leak_per_rank
     assert "token-local module mlp" in msg and "used outside it" in msg, msg
 
 
+def test_a_memory_limit_makes_the_planner_checkpoint_and_the_transform_apply_it(pool):
+    res = run_ok(pool, "memory_budget_compare")
+    r = res[0]
+    assert r["peaks"]["full"] < r["limit"] < r["peaks"]["none"]
+    modes = [layer["checkpoint"] for layer in r["plan_layers"]]
+    assert modes and all(m != "none" for m in modes), modes       # what the planner chose...
+    assert {a["checkpoint"] for a in r["report"]["attention"]} == set(modes)   # ...is what ran
+    check_first_step_exact(res, r["strategies"])
+
+
 def test_mixed_strategies_per_layer(pool):
     # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]),

@@ -279,7 +279,8 @@ class SequenceParallel(nn.Module):
         chosen = plan.strategy()
         strategies = [chosen] if isinstance(chosen, str) else chosen
         self.config.strategy, self.config.layout = chosen, _layout_for(strategies, plan.layout)
-        self.config.checkpoint = plan.checkpoint()
+        if tuple(getattr(self.plan_provider, "checkpoints", ("none",))) != ("none",):
+            self.config.checkpoint = plan.checkpoint()      # the planner chose it (else: the caller's)
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         _set_up(self.config, strategies)
         self.plan = plan
