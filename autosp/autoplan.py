@@ -13,6 +13,7 @@ on this machine). Checkpointing is chosen only where it is applied (the eager co
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -62,14 +63,15 @@ class AutoPlanner:
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
 
-    def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup) -> Any:
+    def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
+                 documents: tuple[int, ...] = ()) -> Any:
         from autosp.planner.plan import Plan
 
         world = dist.get_world_size(group)
         payload: list[Any] = [None]
         if dist.get_rank(group) == 0:
             try:
-                payload[0] = self._plan(module, batch_size, seq_len, world).to_json()
+                payload[0] = self._plan(module, batch_size, seq_len, world, documents).to_json()
             except Exception as e:  # noqa: BLE001 - reported; the caller falls back or raises
                 if not self.fallback:
                     raise
@@ -84,7 +86,8 @@ class AutoPlanner:
 
         return Plan(**json.loads(payload[0]))
 
-    def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int) -> Any:
+    def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
+              documents: tuple[int, ...] = ()) -> Any:
         from autosp.graph import capture
         from autosp.planner.plan import SCHEMA, Plan, model_fingerprint
         from autosp.planner.search import plan
@@ -96,14 +99,15 @@ class AutoPlanner:
         schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
         limit = self.memory_limit or device_memory(param.device, world)
         modes = "-".join(self.checkpoints)
+        docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
-               f"m{int(limit) >> 20}-{modes}.json")
+               f"m{int(limit) >> 20}-{modes}{docs}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
             return Plan.load(path)
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
-                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit)
+                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -181,7 +181,11 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
         kw = {"memory_limit": memory_limit}
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
-    extra = _extra_inputs(inputs, batch, seq_len)
+    extra = _extra_inputs("packed" if inputs == "cu_seqlens" else inputs, batch, seq_len)
+    extra_sp = extra
+    if inputs == "cu_seqlens":     # the same documents, as flash-attention's cumulative lengths
+        starts = [r * seq_len + d for r in range(batch) for d in (0, 10, 13)]
+        extra_sp = {"cu_seqlens": torch.tensor(starts + [batch * seq_len])}
     blocks = dict(BLOCK_TALLY)
     for step in range(steps):
         ids, labels = _batch(step, batch, seq_len, uneven)
@@ -189,7 +193,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
             labels = labels.masked_fill(extra["attention_mask"] == 0, -100)
         loss_ref = _loss(ref, kind, ids, labels, **extra)
         loss_ref.backward()
-        loss_sp = _loss(sp, kind, ids, labels, **extra)
+        loss_sp = _loss(sp, kind, ids, labels, **extra_sp)
         loss_sp.backward()
         out["losses"].append((loss_ref.item(), loss_sp.item()))
         out["loss_err"] = max(out["loss_err"], abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
@@ -217,6 +221,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["graph_reports"] = [(r.attention, r.token_statistics, r.replicated_params, r.starts_at[-70:])
                             for r in sp.state.reports]
     out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
+    out["plan_documents"] = getattr(sp.plan, "predicted", {}).get("documents") if getattr(sp, "plan", None) else None
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
     return out
 

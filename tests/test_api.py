@@ -20,3 +20,17 @@ def test_unknown_strategy_lists_the_registered_ones():
 def test_a_layout_the_strategy_cannot_use_is_refused():
     with pytest.raises(AutospError, match="need layout='zigzag'"):
         autosp.compile(torch.nn.Linear(2, 2), strategy="zigzag_ring", layout="contiguous")
+
+
+def test_cu_seqlens_to_positions_and_its_errors():
+    import torch
+
+    from autosp.errors import AutospError
+    from autosp.transform.api import positions_from_cu_seqlens
+
+    pos = positions_from_cu_seqlens(torch.tensor([0, 3, 8, 10, 16]), batch=2, seq_len=8)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 5]]
+    with pytest.raises(AutospError, match="crosses a row boundary"):
+        positions_from_cu_seqlens([0, 5, 12, 16], batch=2, seq_len=8)
+    with pytest.raises(AutospError, match="rise strictly from 0"):
+        positions_from_cu_seqlens([0, 8, 8, 16], batch=2, seq_len=8)

@@ -163,6 +163,14 @@ def test_balanced_layout_evens_packed_documents_work(pool, strategy):
     assert rep["work_balance"] <= 1.05
 
 
+def test_cu_seqlens_become_restarting_positions_and_reach_the_planner(pool):
+    # The SP model gets flash-attention-style cumulative lengths, the reference the same documents
+    # as position ids; auto planning (the default) costs the documents it finds in the batch.
+    res = run_ok(pool, "train_compare", kind="llama", inputs="cu_seqlens", steps=1)
+    check_first_step_exact(res, res[0]["strategies"])
+    assert res[0]["plan_documents"] == [10, 3, 19], res[0]["plan_documents"]
+
+
 def test_balanced_layout_needs_the_eager_compiler(pool):
     msg = run_ok(pool, "expect_error_compile", layout="balanced", compiler="aot_eager")[0]
     assert "layout='balanced'" in msg and "compiler='eager'" in msg

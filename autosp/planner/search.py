@@ -115,10 +115,13 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
-    return _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, zero_stage, seq_len,
-                    {"status": sol.status, "candidates": len(cands), "cost_s": t_cost, "solve_s": t_solve,
-                     "solves": len(ranked),
-                     "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
+    out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, zero_stage, seq_len,
+                   {"status": sol.status, "candidates": len(cands), "cost_s": t_cost, "solve_s": t_solve,
+                    "solves": len(ranked),
+                    "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
+    if documents:
+        out.predicted["documents"] = list(documents)        # what the attention costs assumed
+    return out
 
 
 def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, seq_len: int) -> dict[str, Any]:

@@ -225,10 +225,15 @@ class SequenceParallel(nn.Module):
         finally:
             self.state.graph_hooks.remove(hook)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, cu_seqlens: Any = None, **kwargs: Any) -> Any:
+        """The model's forward, sequence-parallel. ``cu_seqlens`` (optional): cumulative document
+        lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
+        into position ids that restart at each document (the model then masks across them)."""
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
+        if cu_seqlens is not None:
+            self._positions_from(cu_seqlens, named, seq_len)
         if self.plan is None and self.plan_provider is not None:
             self._plan_now(named, seq_len)
         if self.plan is not None and self.plan_provider is None:
@@ -256,6 +261,15 @@ class SequenceParallel(nn.Module):
             return out
         return _trim(out, padded_len, seq_len)
 
+    def _positions_from(self, cu_seqlens: Any, named: dict[str, Any], seq_len: int) -> None:
+        if "position_ids" not in self._signature.parameters:
+            raise AutospError(f"cu_seqlens becomes position ids, but {type(self.module).__name__}.forward takes no "
+                              "position_ids; pass them to the model yourself")
+        if named.get("position_ids") is not None:
+            raise AutospError("give cu_seqlens or position_ids, not both (cu_seqlens becomes the position ids)")
+        ids = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+        named["position_ids"] = positions_from_cu_seqlens(cu_seqlens, ids.shape[0], seq_len).to(ids.device)
+
     def _deal_tokens(self, named: dict[str, Any], padded_len: int) -> None:
         """Under the balanced layout, deal this batch's chunks from its documents (position ids
         restarting at 0); for the report, every layout's attention work per rank."""
@@ -272,7 +286,8 @@ class SequenceParallel(nn.Module):
         """Plan for this batch (the SP degree is the group's), then configure before compiling."""
         batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
         padded = -(-seq_len // self.sp_degree) * self.sp_degree
-        plan = self.plan_provider(self.module, batch, padded, self.group)
+        plan = self.plan_provider(self.module, batch, padded, self.group,
+                                  documents=_documents(named.get("position_ids"), padded))
         if plan is None:                 # planning failed (already reported): keep the default choice
             self.plan_provider = None
             return
@@ -353,6 +368,38 @@ def _own_errors() -> Iterator[None]:
         if inner is None:
             raise
         raise AutospError(str(inner)) from None
+
+
+def _documents(positions: Any, padded_len: int) -> tuple[int, ...]:
+    """Document lengths of a packed batch (position ids restarting at 0), when every row packs the
+    same ones; the padding joins the last. ``()``: one sequence per row, or rows that differ."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return ()
+    pos = positions.detach().cpu()
+    if not bool((pos == pos[:1]).all()):
+        return ()
+    starts = [i for i in range(pos.shape[1]) if int(pos[0, i]) == 0 or (i and int(pos[0, i]) != int(pos[0, i - 1]) + 1)]
+    if len(starts) <= 1:
+        return ()
+    bounds = starts + [padded_len]
+    return tuple(bounds[i + 1] - bounds[i] for i in range(len(starts)))
+
+
+def positions_from_cu_seqlens(cu_seqlens: Any, batch: int, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` position ids restarting at 0 at each document of ``cu_seqlens`` (flash-attention's
+    cumulative lengths over the flattened batch; documents may not cross rows)."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.long).flatten().cpu()
+    total = batch * seq_len
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] <= cu[:-1]).any()):
+        raise AutospError(f"cu_seqlens must rise strictly from 0 to batch x sequence = {total}, got "
+                          f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+    rows = torch.arange(0, total + 1, seq_len)
+    if not bool(torch.isin(rows, cu).all()):
+        raise AutospError(f"a document in cu_seqlens crosses a row boundary (rows are {seq_len} tokens); each row "
+                          "must hold whole documents")
+    tokens = torch.arange(total)
+    starts = cu[torch.searchsorted(cu, tokens, right=True) - 1]
+    return (tokens - starts).view(batch, seq_len)
 
 
 def _pad_seq(t: torch.Tensor, name: str, length: int) -> torch.Tensor:
