@@ -26,7 +26,7 @@ def test_cu_seqlens_to_positions_and_its_errors():
     import torch
 
     from autosp.errors import AutospError
-    from autosp.transform.api import positions_from_cu_seqlens
+    from autosp.transform.batch import positions_from_cu_seqlens
 
     pos = positions_from_cu_seqlens(torch.tensor([0, 3, 8, 10, 16]), batch=2, seq_len=8)
     assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 5]]

@@ -21,7 +21,6 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
@@ -31,9 +30,9 @@ from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
 from autosp.transform.checkpointing import check_modes
+from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.report import AttentionRow, SPReport
 
-_PAD_VALUES = {"labels": -100, "attention_mask": 0}
 
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
@@ -248,7 +247,7 @@ class SequenceParallel(nn.Module):
                           f"autosp pads it to {padded_len} and masks the padding", stacklevel=2)
         for name, value in list(named.items()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-                named[name] = _pad_seq(value, name, padded_len)
+                named[name] = pad_seq(value, name, padded_len)
         self._deal_tokens(named, padded_len)
         if self._is_hf and "use_cache" in self._signature.parameters and "use_cache" not in named:
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
@@ -259,7 +258,7 @@ class SequenceParallel(nn.Module):
         self._check_once(padded_len != seq_len)
         if padded_len == seq_len or self.state.local_outputs:
             return out
-        return _trim(out, padded_len, seq_len)
+        return trim(out, padded_len, seq_len)
 
     def _positions_from(self, cu_seqlens: Any, named: dict[str, Any], seq_len: int) -> None:
         if "position_ids" not in self._signature.parameters:
@@ -287,7 +286,7 @@ class SequenceParallel(nn.Module):
         batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
         padded = -(-seq_len // self.sp_degree) * self.sp_degree
         plan = self.plan_provider(self.module, batch, padded, self.group,
-                                  documents=_documents(named.get("position_ids"), padded))
+                                  documents=documents_of(named.get("position_ids"), padded))
         if plan is None:                 # planning failed (already reported): keep the default choice
             self.plan_provider = None
             return
@@ -368,57 +367,3 @@ def _own_errors() -> Iterator[None]:
         if inner is None:
             raise
         raise AutospError(str(inner)) from None
-
-
-def _documents(positions: Any, padded_len: int) -> tuple[int, ...]:
-    """Document lengths of a packed batch (position ids restarting at 0), when every row packs the
-    same ones; the padding joins the last. ``()``: one sequence per row, or rows that differ."""
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
-        return ()
-    pos = positions.detach().cpu()
-    if not bool((pos == pos[:1]).all()):
-        return ()
-    starts = [i for i in range(pos.shape[1]) if int(pos[0, i]) == 0 or (i and int(pos[0, i]) != int(pos[0, i - 1]) + 1)]
-    if len(starts) <= 1:
-        return ()
-    bounds = starts + [padded_len]
-    return tuple(bounds[i + 1] - bounds[i] for i in range(len(starts)))
-
-
-def positions_from_cu_seqlens(cu_seqlens: Any, batch: int, seq_len: int) -> torch.Tensor:
-    """``[B, S]`` position ids restarting at 0 at each document of ``cu_seqlens`` (flash-attention's
-    cumulative lengths over the flattened batch; documents may not cross rows)."""
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.long).flatten().cpu()
-    total = batch * seq_len
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] <= cu[:-1]).any()):
-        raise AutospError(f"cu_seqlens must rise strictly from 0 to batch x sequence = {total}, got "
-                          f"{cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
-    rows = torch.arange(0, total + 1, seq_len)
-    if not bool(torch.isin(rows, cu).all()):
-        raise AutospError(f"a document in cu_seqlens crosses a row boundary (rows are {seq_len} tokens); each row "
-                          "must hold whole documents")
-    tokens = torch.arange(total)
-    starts = cu[torch.searchsorted(cu, tokens, right=True) - 1]
-    return (tokens - starts).view(batch, seq_len)
-
-
-def _pad_seq(t: torch.Tensor, name: str, length: int) -> torch.Tensor:
-    extra = length - t.shape[1]
-    if extra == 0:
-        return t
-    if name == "position_ids":       # keep positions increasing past the end
-        tail = t[:, -1:] + torch.arange(1, extra + 1, device=t.device, dtype=t.dtype)
-        return torch.cat([t, tail.expand(t.shape[0], extra)], dim=1)
-    pad = [0, 0] * (t.dim() - 2) + [0, extra]
-    return F.pad(t, pad, value=_PAD_VALUES.get(name, 0))
-
-
-def _trim(out: Any, padded_len: int, seq_len: int) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.narrow(1, 0, seq_len) if out.dim() >= 2 and out.shape[1] == padded_len else out
-    if isinstance(out, tuple):
-        return type(out)(_trim(x, padded_len, seq_len) for x in out)
-    if hasattr(out, "keys") and hasattr(out, "__setitem__"):     # HF ModelOutput / dict
-        for k in list(out.keys()):
-            out[k] = _trim(out[k], padded_len, seq_len)
-    return out
