@@ -168,7 +168,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
                   inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
-                  **cfg: Any) -> dict[str, Any]:
+                  loss_chunks: int = 1, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
@@ -177,6 +177,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     kw = {} if plan is not None else {"checkpoint": checkpoint}
     if layout is not None:
         kw["layout"] = layout
+    if loss_chunks != 1:
+        kw["loss_chunks"] = loss_chunks
     if memory_limit is not None:
         kw = {"memory_limit": memory_limit}
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
@@ -218,6 +220,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]
     out["token_statistics"] = sum(r.token_statistics for r in sp.state.reports)
+    out["tiled_losses"] = sum(r.tiled_losses for r in sp.state.reports)
     out["graph_reports"] = [(r.attention, r.token_statistics, r.replicated_params, r.starts_at[-70:])
                             for r in sp.state.reports]
     out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
@@ -258,6 +261,31 @@ def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp()        # plan afresh, not from a cached plan
     out = train_compare("llama", seq_len=seq_len, steps=1, plan=None, memory_limit=limit)
     out["peaks"], out["limit"] = peak, limit
+    return out
+
+
+def loss_tiling_memory(seq_len: int = 1024, vocab: int = 8192) -> dict[str, Any]:
+    """Per-rank step peak (allocator's view) of a Llama with a large vocabulary, with the LM head
+    and loss whole and in 8 chunks; the two losses against one process."""
+    import transformers
+
+    from autosp.tools.memory_probe import step_peak
+
+    out: dict[str, Any] = {}
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    single = ref(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    for chunks in (1, 8):
+        torch._dynamo.reset()
+        sp = autosp.compile(copy.deepcopy(ref), strategy="ulysses", loss_chunks=chunks)
+        sp(input_ids=ids, labels=ids).loss.backward()                      # compile outside the probe
+        loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
+        out[chunks] = {"peak": peak, "loss_err": abs(loss.item() - single) / single,
+                       "tiled": sum(r.tiled_losses for r in sp.state.reports)}
     return out
 
 

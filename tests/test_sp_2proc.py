@@ -193,6 +193,22 @@ def test_a_memory_limit_makes_the_planner_checkpoint_and_the_transform_apply_it(
     check_first_step_exact(res, r["strategies"])
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_tiled_head_and_loss_is_exact(pool, strategy):
+    res = run_ok(pool, "train_compare", kind="llama", strategy=strategy, loss_chunks=4, steps=1)
+    check_first_step_exact(res, [strategy] * 2)
+    assert all(r["tiled_losses"] == 1 for r in res)
+
+
+def test_tiled_head_and_loss_never_holds_the_whole_shards_logits(pool):
+    r = run_ok(pool, "loss_tiling_memory")[0]
+    assert r[1]["tiled"] == 0 and r[8]["tiled"] == 1
+    assert r[1]["loss_err"] < 1e-6 and r[8]["loss_err"] < 1e-6, r
+    # 512 local tokens x 8192 vocabulary: 16 MiB of fp32 logits, with their gradient and the
+    # softmax more than that; in 8 chunks an eighth of it is alive at a time.
+    assert r[1]["peak"] - r[8]["peak"] > 16 * 2**20, r
+
+
 def test_mixed_strategies_per_layer(pool):
     # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]),

@@ -38,7 +38,7 @@ from autosp.transform.report import AttentionRow, SPReport
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
-            checkpoint: str | Sequence[str] = "none") -> nn.Module:
+            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -67,6 +67,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     ``checkpoint``: activation checkpointing, ``"none"``, ``"selective"`` (recompute cheap ops,
     keep matmul, attention and collective outputs) or ``"full"`` (keep each layer's input), or a
     list with one per transformer layer; a plan's choice per layer class is applied.
+    ``loss_chunks``: > 1 runs the LM head and the cross-entropy over that many chunks of this
+    rank's tokens (forward and backward), so the full-vocabulary logits never exist; the
+    model's logits output is then empty (:mod:`autosp.transform.tiled_loss`).
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree, token layout and per-layer strategies are applied; a plan made for another
     world size, sequence length or model is refused.
@@ -84,6 +87,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     for st in strategies:
         check_spec(st)
     compiler = check_compiler(compiler)
+    if not isinstance(loss_chunks, int) or loss_chunks < 1:
+        raise AutospError(f"loss_chunks must be a positive integer, got {loss_chunks!r}")
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     check_modes(checkpoint)
     layout = _layout_for(strategies, layout)
@@ -102,7 +107,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     elif sp_size is not None and sp_size != dist.get_world_size(group):
         raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
-                      reduce_grads=reduce_grads, compiler=compiler, checkpoint=checkpoint,
+                      reduce_grads=reduce_grads, compiler=compiler, checkpoint=checkpoint, loss_chunks=loss_chunks,
                       layer_paths=_layer_paths(model))
     _set_up(config, strategies)
     sp = SequenceParallel(model, config)

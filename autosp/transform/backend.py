@@ -20,6 +20,7 @@ import torch.fx as fx
 from autosp.errors import AutospError
 from autosp.transform.checkpointing import apply_checkpointing
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
+from autosp.transform.tiled_loss import tile_head_loss
 
 
 @dataclass
@@ -82,6 +83,7 @@ class SPConfig:
     compiler: str = "eager"             # what runs each sharded graph: see compile_graph
     checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
+    loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -162,6 +164,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)
+        if config.loss_chunks > 1 and report.attention:
+            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, group.group_name)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:

@@ -106,6 +106,7 @@ class ShardReport:
     unmasked_noncausal: bool = False
     global_reductions: int = 0
     token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
+    tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0
