@@ -19,7 +19,7 @@ def pool():
                                       ("reference", dict(heads=4, kv=2)),
                                       ("gpt2", dict(heads=4))])
 def test_ulysses_matches_single_device(pool, kind, cfg):
-    check_exact(run_ok(pool, "train_compare", kind=kind, **cfg), ["ulysses"] * 2)
+    check_exact(run_ok(pool, "train_compare", kind=kind, strategy="ulysses", **cfg), ["ulysses"] * 2)
 
 
 def test_uneven_labels_and_length_not_divisible(pool):
