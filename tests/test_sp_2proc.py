@@ -209,6 +209,12 @@ def test_tiled_head_and_loss_never_holds_the_whole_shards_logits(pool):
     assert r[1]["peak"] - r[8]["peak"] > 16 * 2**20, r
 
 
+def test_padding_that_would_enter_a_router_loss_is_refused(pool):
+    # 33 tokens on 2 ranks: the pad token would count in the load-balancing statistics.
+    msg = run_ok(pool, "expect_error", kind="mixtral", strategy="ulysses", seq_len=33)[0]
+    assert "load-balancing" in msg and "divisible by 2" in msg, msg
+
+
 def test_mixed_strategies_per_layer(pool):
     # Ulysses on layer 0, zigzag ring on layer 1: one global zigzag layout; odd length.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=37, strategy=["ulysses", "zigzag_ring"]),

@@ -261,6 +261,12 @@ class SequenceParallel(nn.Module):
                 torch._dynamo.config.patch(specialize_int=True), _own_errors():
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
+        if padded_len != seq_len and named.get("attention_mask") is None and \
+                any(r.token_statistics for r in self.state.reports):
+            raise AutospError(
+                f"sequence length {seq_len} is not divisible by {self.pad_multiple}; autosp pads it to {padded_len}, "
+                "and the padding would enter the statistics this model takes over all tokens (a router's "
+                f"load-balancing loss) and change it; use a sequence length divisible by {self.pad_multiple}")
         if padded_len == seq_len or self.state.local_outputs:
             return out
         return trim(out, padded_len, seq_len)

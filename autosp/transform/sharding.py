@@ -489,6 +489,13 @@ class Sharder:
     # ------------------------------------------------------------------ rewriting helpers
     def _slice(self, a: fx.Node) -> fx.Node:
         dims = self.seq_dims(_val(a))
+        src = a
+        while src.op == "call_method" and src.target in ("view", "reshape", "flatten", "contiguous") \
+                and isinstance(src.args[0], fx.Node):
+            src = src.args[0]
+        if _name(src) == "repeat_interleave":      # [B*S*k]: the token index is not the inner one
+            raise AutospError(f"tensor {a.name} repeats each token ({_where(src)}) and meets this rank's tokens; "
+                              "autosp can slice only tensors whose tokens are contiguous along the sequence dim")
         if len(dims) != 1:
             raise AutospError(f"tensor {a.name} has {len(dims)} sequence dims {dims} and meets a sharded op; "
                               "autosp can slice tensors with one sequence dim")
