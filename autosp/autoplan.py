@@ -9,6 +9,7 @@ the attention strategy and activation checkpointing per layer and the token layo
 least predicted time under a memory limit: ``autosp.compile(memory_limit=...)`` in bytes,
 by default the device's (a GPU's capacity; on CPU the available RAM shared by the ranks
 on this machine). Checkpointing is chosen only where it is applied (the eager compiler).
+Devices per node come from the launch (``LOCAL_WORLD_SIZE``), else from the profile.
 """
 
 from __future__ import annotations
@@ -98,16 +99,19 @@ class AutoPlanner:
         graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
         schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
         limit = self.memory_limit or device_memory(param.device, world)
+        # devices per node: the launch's (torchrun sets LOCAL_WORLD_SIZE), else the profile's
+        dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
         modes = "-".join(self.checkpoints)
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
-               f"m{int(limit) >> 20}-{modes}{docs}.json")
+               f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
             return Plan.load(path)
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
-                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents)
+                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
+                 devices_per_node=dpn)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

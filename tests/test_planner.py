@@ -129,3 +129,14 @@ def test_the_planner_plans_the_models_the_transform_runs(kind):
         assert len(grouped) == 4 and all(op.flops != 0 for op in grouped)
     p = plan(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g)
     assert p.sp_degree == 2 and p.strategy() in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
+
+
+def test_auto_plan_takes_devices_per_node_from_the_launch(monkeypatch, tmp_path):
+    from autosp.autoplan import AutoPlanner
+
+    model = _hf("mistral")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")            # torchrun --nproc-per-node 1 on each of 2 nodes
+    one = AutoPlanner(cache=False, memory_limit=float(2 ** 40))._plan(model, 1, 64, 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    default = AutoPlanner(cache=False, memory_limit=float(2 ** 40))._plan(model, 1, 64, 2)
+    assert one.devices_per_node == 1 and default.devices_per_node == 2     # cpu-gloo: 2 per node
