@@ -142,6 +142,7 @@ def test_plan_costs_packed_documents(capsys):
 
     assert main(["plan", "--model", "tiny", "--seq-len", "4096", "--world-size", "2", "--profile", "cpu-gloo",
                  "--dtype", "float32", "--documents", "1024,1024,2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted"]["documents"] == [1024, 1024, 2048]
     assert main(["plan", "--model", "tiny", "--seq-len", "4096", "--world-size", "2", "--profile", "cpu-gloo",
                  "--documents", "1024,1024"]) != 0
     assert "sum to the sequence length" in capsys.readouterr().err

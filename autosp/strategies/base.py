@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from autosp.errors import AutospError
-from autosp.strategies.blockwise import MASK_TILE
+from autosp.strategies.blockwise import tiles_per_chunk
 from autosp.strategies.layout import n_chunks, rank_chunks
 
 AUTO = "auto"
@@ -270,9 +270,7 @@ def masked_tile_calls(shape: AttentionShape, heads: float, ids: list[int], n: in
     tokens of tile ``a - d`` are ``(d - 1) t + 1`` apart); without a window ``d_max = a``. Packed
     documents: tile ``a`` sees key tiles from the one holding the start of its first token's
     document (the union of its queries' key ranges is one interval)."""
-    m = 1
-    while c / m > MASK_TILE:
-        m *= 2
+    m = tiles_per_chunk(c)               # as the runtime cuts them
     t = c / m
     q_tiles = [x * m + k for x in ids for k in range(m)]
     if not shape.causal:

@@ -140,12 +140,18 @@ Pair = tuple[int, int, bool, "Tensor | None", "Tensor | None"]
 MASK_TILE = 1024
 
 
+def tiles_per_chunk(chunk_len: float) -> int:
+    """Under a mask, how many tiles a chunk is cut into: halved until at most MASK_TILE tokens."""
+    m = 1
+    while chunk_len / m > MASK_TILE and chunk_len % (2 * m) == 0:
+        m *= 2
+    return m
+
+
 def tiles(chunks: list[int], chunk_len: int, masked: bool) -> tuple[list[int], int]:
     """The chunk ids and length the kernels work on: the chunks themselves, or under a mask
     their tiles (chunk ``c`` of ``m`` tiles holds tiles ``c*m .. c*m+m-1``: still global ids)."""
-    m = 1
-    while masked and chunk_len // m > MASK_TILE and chunk_len % (2 * m) == 0:
-        m *= 2
+    m = tiles_per_chunk(chunk_len) if masked else 1
     return [c * m + t for c in chunks for t in range(m)], chunk_len // m
 
 

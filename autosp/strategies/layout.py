@@ -81,7 +81,7 @@ def set_balanced(dealt: list[list[int]] | None, world: int) -> None:
 def work_per_rank(positions: Tensor, layout: str, world: int) -> list[float]:
     """Causal-within-document attention work (query-key pairs) each rank's tokens carry."""
     n = n_chunks(layout, world)
-    work = token_work(positions).reshape(positions.shape[0], n, -1).sum((0, 2))
+    work = token_work(positions.cpu()).reshape(positions.shape[0], n, -1).sum((0, 2))
     return [float(work[rank_chunks(layout, r, world)].sum()) for r in range(world)]
 
 

@@ -215,7 +215,8 @@ class SequenceParallel(nn.Module):
                 c["bytes"] += sent - before[1]
         return SPReport(sp_degree=self.sp_degree, seq_len=step["seq_len"], padded_len=step["padded_len"],
                         compiled_graphs=len(self.state.reports), attention=rows, collectives=counts,
-                        work_per_rank=step.get("work", []))
+                        work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
+                        if "positions" in step else [])
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -282,15 +283,14 @@ class SequenceParallel(nn.Module):
 
     def _deal_tokens(self, named: dict[str, Any], padded_len: int) -> None:
         """Under the balanced layout, deal this batch's chunks from its documents (position ids
-        restarting at 0); for the report, every layout's attention work per rank."""
+        restarting at 0). The positions are kept for the report, which computes every layout's
+        attention work per rank when asked (no host copy on the training path otherwise)."""
         pos = named.get("position_ids")
         if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
             pos = torch.arange(padded_len).unsqueeze(0)
-        pos = pos.detach().cpu()
-        p = self.sp_degree
+        self._step["positions"] = pos.detach()
         if self.config.layout == "balanced":
-            set_balanced(deal_balanced(pos, p), p)
-        self._step["work"] = work_per_rank(pos, self.config.layout, p)
+            set_balanced(deal_balanced(pos.detach().cpu(), self.sp_degree), self.sp_degree)
 
     def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
         """Plan for this batch (the SP degree is the group's), then configure before compiling."""

@@ -23,7 +23,10 @@ def documents_of(positions: Any, padded_len: int) -> tuple[int, ...]:
     pos = positions.detach().cpu()
     if not bool((pos == pos[:1]).all()):
         return ()
-    starts = [i for i in range(pos.shape[1]) if int(pos[0, i]) == 0 or (i and int(pos[0, i]) != int(pos[0, i - 1]) + 1)]
+    row = pos[0]
+    new_doc = row == 0
+    new_doc[1:] |= row[1:] != row[:-1] + 1
+    starts = new_doc.nonzero().flatten().tolist()
     if len(starts) <= 1:
         return ()
     bounds = starts + [padded_len]

@@ -72,8 +72,9 @@ _DIM_MIXING = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort",
 # Ops whose cost grows with the tokens times a weight: on the full sequence in a sharded graph,
 # they are work SP should have split (reported, see ShardReport.replicated_work).
 _HEAVY = {"linear", "embedding", "matmul", "mm", "bmm", "conv1d", "baddbmm", "addmm"}
-# Reductions over a sharded dim whose per-rank results add up (a mean: of equal shards).
-_TOKEN_STATISTICS = {"sum", "nansum", "mean", "histc", "bincount", "count_nonzero"}
+# Reductions over a sharded dim whose per-rank results add up (a mean: of equal shards). Not
+# bincount: its length follows each rank's largest value, so ranks' results need not match.
+_TOKEN_STATISTICS = {"sum", "nansum", "mean", "histc", "count_nonzero"}
 # Where the dim argument sits when it is not the second positional one.
 _DIM_POSITION = {"split": 2, "chunk": 2, "tensor_split": 2, "topk": 2, "roll": 2}
 
