@@ -504,3 +504,117 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
         refused = str(e)
     dist.barrier()
     return {"exact": exact, "refused": refused}
+
+
+def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str = "ulysses", steps: int = 3,
+                  seq_len: int = 32, rows: int = 2, uneven: bool = True, bucket_mb: float = 0.01,
+                  **cfg: Any) -> dict[str, Any]:
+    """A dp x sp mesh (``rows`` data-parallel rows) against one process on the concatenated global
+    batch: loss and every parameter gradient per AdamW step, and what ran (from the report)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (rows, world // rows), mesh_dim_names=("dp", "sp"))
+    row = mesh.get_local_rank("dp")
+    ref = build(kind, **cfg)
+    model = copy.deepcopy(ref)
+    sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_sp = sp.optimizer(torch.optim.AdamW, lr=1e-3)
+    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
+    per_row = 2
+    for step in range(steps):
+        ids, labels = _batch(step, per_row * rows, seq_len, uneven)
+        if uneven and rows > 1:       # the rows' ignored labels differ a lot: a mean of row means would be off
+            labels[per_row:, : seq_len * 3 // 4] = -100
+        loss_ref = _loss(ref, kind, ids, labels)
+        loss_ref.backward()
+        mine = slice(row * per_row, (row + 1) * per_row)
+        loss = _loss(sp, kind, ids[mine], labels[mine])
+        loss.backward()
+        out["losses"].append((loss_ref.item(), loss.item()))
+        out["loss_err"] = max(out["loss_err"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            e = _rel(p.grad, q.grad)
+            if e > out["grad_err"]:
+                out["grad_err"], out["worst"] = e, f"step {step} {name}"
+        opt_ref.step()
+        opt_sp.step()
+        opt_ref.zero_grad()
+        opt_sp.zero_grad()
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    out["param_err"] = _rel(flat(model), flat(ref))
+    out["strategies"] = sp.state.strategies
+    out["report"] = sp.report().as_dict()
+    out["row"] = row
+    out["optimizer"] = type(opt_sp).__name__
+    out["params"] = sum(1 for p in model.parameters() if p.requires_grad)
+    states = getattr(opt_sp, "optim", opt_sp).state.values()
+    out["state_elements"] = sum(t.numel() for st in states for t in st.values() if t.dim() > 0)
+    out["param_elements"] = sum(p.numel() for p in model.parameters())
+    out["sp_rows"] = dist.get_world_size(sp.mesh.sp), dist.get_world_size(sp.mesh.whole)
+    return out
+
+
+def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
+    """Two micro-batches per step on a 2 x 2 mesh: under no_sync then one reduction, equal to one
+    process on all four rows' batches; accumulating onto reduced gradients is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    row = mesh.get_local_rank("dp")
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=0)
+    micro = [_batch(i, 4, seq_len, True) for i in range(2)]
+    # one process: each micro-batch's loss over all four rows, backward twice (gradients add up)
+    for ids, labels in micro:
+        _loss(ref, "llama", ids, labels).backward()
+    calls = _grad_reductions_since()
+    with sp.no_sync():
+        ids, labels = micro[0]
+        _loss(sp, "llama", ids[2 * row:2 * row + 2], labels[2 * row:2 * row + 2]).backward()
+    inside = calls()
+    ids, labels = micro[1]
+    _loss(sp, "llama", ids[2 * row:2 * row + 2], labels[2 * row:2 * row + 2]).backward()
+    err = max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    try:           # a third backward without zero_grad: onto gradients already summed
+        _loss(sp, "llama", ids[2 * row:2 * row + 2], labels[2 * row:2 * row + 2]).backward()
+        refused = ""
+    except AutospError as e:
+        refused = str(e)
+    dist.barrier()
+    return {"grad_err": err, "refused": refused, "reduced_inside_no_sync": inside}
+
+
+def _grad_reductions_since() -> Any:
+    """A counter of autosp's gradient all-reduces issued since it was made."""
+    from autosp.strategies.collectives import TALLY
+
+    start = sum(v[0] for (g, k), v in TALLY.items() if k == "grad_all_reduce")
+    return lambda: sum(v[0] for (g, k), v in TALLY.items() if k == "grad_all_reduce") - start
+
+
+def dp_sp_errors() -> list[str]:
+    """The one-line refusals of bad mesh / ZeRO input."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    attempts = [
+        lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))),
+        lambda: autosp.compile(build("llama"), sp_size=3),
+        lambda: autosp.compile(build("llama"), zero_stage=5),
+        lambda: autosp.compile(build("llama"), zero_stage=3),
+        lambda: autosp.compile(build("llama"), zero_stage=0, reduce_grads=False),
+        lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("sp",)), sp_size=4),
+        lambda: autosp.compile(build("llama")).no_sync(),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            out.append("")
+        except AutospError as e:
+            out.append(str(e))
+    return out

@@ -104,3 +104,55 @@ def test_inputs_embeds_from_an_upstream_module_get_full_gradients(pool, strategy
 def test_compiled_path_hybrid_on_four_ranks(pool):
     check_exact(run_ok(pool, "train_compare", kind="reference", strategy="hybrid:2x2", compiler="aot_eager",
                        steps=2), ["hybrid:2x2"] * 2)
+
+
+def check_dp_sp(res, strategy, zero_stage, rows=2):
+    """Exact against one process on the global batch, and what ran: the strategy per layer, S/P tokens
+    per rank, the loss made global once (2 all-reduces: sum and count), gradients reduced in buckets
+    (never one call per parameter), every rank of a row holding the same loss."""
+    assert {r["row"] for r in res} == set(range(rows))
+    for r in res:
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, r
+        assert r["strategies"] == [strategy] * 2, r["strategies"]
+        rep = r["report"]
+        assert (rep["dp_degree"], rep["zero_stage"], rep["sp_degree"]) == (rows, zero_stage, 4 // rows)
+        assert all(a["tokens_per_rank"] == 32 // (4 // rows) for a in rep["attention"])
+        assert rep["collectives"]["all_reduce"]["calls"] == 2, rep["collectives"]
+        assert rep["collectives"]["grad_all_reduce"]["calls"] == rep["grad_buckets"] < r["params"]
+        assert r["sp_rows"] == (4 // rows, 4)
+    assert len({r["losses"][-1][1] for r in res}) == 1        # one global loss, on every rank
+
+
+@pytest.mark.parametrize("kind,strategy", [("llama", "ulysses"), ("qwen2", "ring")])
+def test_dp_by_sp_mesh_with_zero_stage_0_equals_one_process_on_the_global_batch(pool, kind, strategy):
+    res = run_ok(pool, "dp_sp_compare", kind=kind, strategy=strategy, zero_stage=0)
+    check_dp_sp(res, strategy, 0)
+    assert all(r["optimizer"] == "AdamW" and r["state_elements"] == 2 * r["param_elements"] for r in res)
+
+
+def test_zero_stage_1_shards_optimizer_states_over_the_mesh(pool):
+    res = run_ok(pool, "dp_sp_compare", kind="llama", strategy="allgather_kv", zero_stage=1)
+    check_dp_sp(res, "allgather_kv", 1)
+    # AdamW's two moments, each rank holding its share of the parameters (whole tensors: about 1/4)
+    total = sum(r["state_elements"] for r in res)
+    assert total == 2 * res[0]["param_elements"], total
+    assert all(r["optimizer"] == "ZeroRedundancyOptimizer" and r["state_elements"] < 0.4 * total for r in res)
+
+
+def test_zero_stage_0_on_sp_only_mesh_and_accumulation(pool):
+    check_dp_sp(run_ok(pool, "dp_sp_compare", kind="llama", strategy="hybrid:2x2", zero_stage=0, rows=1, steps=1),
+                "hybrid:2x2", 0, rows=1)
+    for r in run_ok(pool, "dp_sp_accumulate"):
+        assert r["grad_err"] < 1e-5 and r["reduced_inside_no_sync"] == 0, r
+        assert "summed twice" in r["refused"] and "no_sync" in r["refused"], r
+
+
+def test_mesh_and_zero_stage_errors_name_the_fix(pool):
+    msgs = run_ok(pool, "dp_sp_errors")[0]
+    assert "named 'sp'" in msgs[0] and "mesh_dim_names=('dp', 'sp')" in msgs[0]
+    assert "does not divide the world size 4" in msgs[1]
+    assert "must be one of 0, 1, 2, 3" in msgs[2]
+    assert "zero_stage=3" in msgs[3] and "zero_stage=1" in msgs[3]
+    assert "contradicts" in msgs[4]
+    assert "not both" in msgs[5]
+    assert "zero_stage=0 or 1" in msgs[6]

@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
@@ -30,6 +31,8 @@ from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
 from autosp.transform.checkpointing import check_modes
+from autosp.transform.grad_reducer import GradReducer
+from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.report import AttentionRow, SPReport
 
@@ -38,7 +41,8 @@ from autosp.transform.report import AttentionRow, SPReport
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
-            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1) -> nn.Module:
+            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mesh: DeviceMesh | None = None,
+            zero_stage: int | None = None, bucket_mb: float = 25.0) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -70,6 +74,14 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     ``loss_chunks``: > 1 runs the LM head and the cross-entropy over that many chunks of this
     rank's tokens (forward and backward), so the full-vocabulary logits never exist; the
     model's logits output is then empty (:mod:`autosp.transform.tiled_loss`).
+    ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "sp")`` (or 1-D: SP only); SP runs inside
+    each ``"sp"`` row, data parallelism across rows (each row passes its own batch).
+    ``zero_stage``: ``None`` (default): gradients are summed over the SP group inside the graphs and
+    data parallelism is the caller's; ``0``: autosp makes the loss global over the whole mesh (equal
+    to one process on the concatenated global batch) and sums gradients over the whole mesh once, in
+    buckets of ``bucket_mb`` MiB launched asynchronously during the backward
+    (:mod:`autosp.transform.grad_reducer`); ``1``: the same, and ``sp.optimizer(cls, **kw)`` shards
+    the optimizer states over the mesh.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree, token layout and per-layer strategies are applied; a plan made for another
     world size, sequence length or model is refused.
@@ -87,6 +99,12 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     for st in strategies:
         check_spec(st)
     compiler = check_compiler(compiler)
+    check_zero_stage(zero_stage)
+    if zero_stage is not None and not reduce_grads:
+        raise AutospError(f"zero_stage={zero_stage} has autosp reduce the gradients over the mesh; reduce_grads=False "
+                          "(the caller reduces them) contradicts it: pass one of the two")
+    if mesh is not None and (sp_size is not None or group is not None):
+        raise AutospError("give a mesh, or sp_size / group, not both (the mesh's 'sp' dimension is the SP group)")
     if not isinstance(loss_chunks, int) or loss_chunks < 1:
         raise AutospError(f"loss_chunks must be a positive integer, got {loss_chunks!r}")
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
@@ -96,21 +114,31 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
                           "first batch; use compiler='eager' with it, or layout='zigzag'")
     if not dist.is_available() or not dist.is_initialized():
-        if sp_size not in (None, 1) or group is not None:
+        if sp_size not in (None, 1) or group is not None or mesh is not None:
             raise AutospError(f"sp_size={sp_size} needs torch.distributed initialised: call "
                               "torch.distributed.init_process_group() first, e.g. under torchrun")
         warnings.warn("torch.distributed is not initialised: autosp runs the model on this device alone "
                       "(SP degree 1); launch with torchrun to split the sequence", stacklevel=2)
         return model
-    if group is None:
-        group = _sp_group(sp_size)
-    elif sp_size is not None and sp_size != dist.get_world_size(group):
-        raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
+    if mesh is not None:
+        the_mesh = mesh_from(mesh)
+    elif group is not None:
+        if sp_size is not None and sp_size != dist.get_world_size(group):
+            raise AutospError(f"sp_size={sp_size} but the given group has {dist.get_world_size(group)} ranks; pass one")
+        the_mesh = Mesh(sp=group, whole=group, sp_degree=dist.get_world_size(group), dp_degree=1)
+    else:
+        the_mesh = mesh_for(sp_size)
+    group = the_mesh.sp
+    reduced_by_us = zero_stage is not None
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
-                      reduce_grads=reduce_grads, compiler=compiler, checkpoint=checkpoint, loss_chunks=loss_chunks,
-                      layer_paths=_layer_paths(model))
+                      reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
+                      loss_chunks=loss_chunks, layer_paths=_layer_paths(model),
+                      loss_group=the_mesh.whole if reduced_by_us else group)
     _set_up(config, strategies)
     sp = SequenceParallel(model, config)
+    sp.mesh, sp.zero_stage = the_mesh, zero_stage
+    if reduced_by_us:
+        sp.reducer = GradReducer(list(model.parameters()), the_mesh.whole, bucket_mb)
     sp.plan = the_plan
     sp.plan_provider = provider
     return sp
@@ -155,16 +183,6 @@ def _layer_paths(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if id(m) in blocks]
 
 
-def _sp_group(sp_size: int | None) -> dist.ProcessGroup:
-    world = dist.get_world_size()
-    if sp_size is None or sp_size == world:
-        return dist.group.WORLD
-    if sp_size <= 0 or world % sp_size:
-        raise AutospError(f"sp_size={sp_size} does not divide the world size {world}; pick a divisor of {world}")
-    group, _ = dist.new_subgroups(group_size=sp_size)
-    return group
-
-
 class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
@@ -191,6 +209,27 @@ class SequenceParallel(nn.Module):
         self.plan = None             # the Plan applied, if any
         self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
+        self.mesh: Mesh | None = None    # set by autosp.compile
+        self.zero_stage: int | None = None
+        self.reducer: GradReducer | None = None
+
+    def no_sync(self) -> ContextManager:
+        """Backwards inside this block keep this rank's partial gradients (micro-batches being
+        accumulated); the backward after it sums them over the mesh once. Needs ``zero_stage``."""
+        if self.reducer is None:
+            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero_stage=0 or 1")
+        return self.reducer.no_sync()
+
+    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer for this model: ``cls(params, **kwargs)``; with ``zero_stage=1`` its states
+        are sharded over the whole mesh (``ZeroRedundancyOptimizer``: each rank updates its share of
+        the parameters, then broadcasts them)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.zero_stage == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.whole, **kwargs)
+        return cls(params, **kwargs)
 
     def report(self) -> SPReport:
         """What autosp did to this model: per attention op and, for the last step (since its
@@ -206,6 +245,8 @@ class SequenceParallel(nn.Module):
                 ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
                 checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
+        if self.mesh is not None:
+            groups.add(self.mesh.whole.group_name)
         counts: dict[str, dict[str, int]] = {}
         for (group, kind), (calls, sent) in TALLY.items():
             before = step["tally"].get((group, kind), (0, 0))
@@ -213,7 +254,10 @@ class SequenceParallel(nn.Module):
                 c = counts.setdefault(kind, {"calls": 0, "bytes": 0})
                 c["calls"] += calls - before[0]
                 c["bytes"] += sent - before[1]
-        return SPReport(sp_degree=self.sp_degree, seq_len=step["seq_len"], padded_len=step["padded_len"],
+        return SPReport(sp_degree=self.sp_degree, dp_degree=self.mesh.dp_degree if self.mesh else 1,
+                        zero_stage=self.zero_stage,
+                        grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
+                        seq_len=step["seq_len"], padded_len=step["padded_len"],
                         compiled_graphs=len(self.state.reports), attention=rows, collectives=counts,
                         work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
                         if "positions" in step else [])
@@ -315,12 +359,14 @@ class SequenceParallel(nn.Module):
         left its frame uncompiled) on the full sequence: its gradient is full on every rank, and the
         caller's sum over the SP group would count it P times. Refused when its gradient arrives
         (a parameter that is simply unused gets none)."""
+        how, fix = (f"zero_stage={self.zero_stage}", "use zero_stage=None (gradients summed inside the graphs)") \
+            if self.zero_stage is not None else ("reduce_grads=False", "use reduce_grads=True")
         for name, p in self.module.named_parameters():
             if p.requires_grad and id(p) not in self.state.graph_params:
                 def refuse(grad: torch.Tensor, name: str = name) -> torch.Tensor:
                     raise AutospError(f"parameter {name} ran outside autosp's compiled graphs (a graph break left "
-                                      "its code eager), so with reduce_grads=False its gradient is not a partial "
-                                      "sum; use reduce_grads=True or remove the graph break")
+                                      f"its code eager), so with {how} its gradient is not a partial sum; "
+                                      f"{fix} or remove the graph break")
                 p.register_hook(refuse)
 
     def _sequence_length(self, named: dict[str, Any]) -> int:
@@ -352,6 +398,13 @@ class SequenceParallel(nn.Module):
                               "F.scaled_dot_product_attention")
         if not self.config.reduce_grads and self.sp_degree > 1:
             self._refuse_eager_parameters()
+        if self.zero_stage is not None and self.mesh.dp_degree > 1 and torch.is_grad_enabled() and \
+                not any(r.global_reductions for r in self.state.reports):
+            raise AutospError(
+                f"with data parallelism ({self.mesh.dp_degree} rows of the mesh) autosp makes the loss global over "
+                "the mesh where the model computes it, but no compiled graph computes a loss over the sharded "
+                "tokens (it follows a graph break, or the model is called without labels); compute the loss in "
+                "the model (pass labels), or use zero_stage=None and reduce over data parallel ranks yourself")
         planned = self.config.strategy
         if not isinstance(planned, str) and len(planned) != self.state.attention_ops:
             raise AutospError(

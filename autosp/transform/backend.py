@@ -84,6 +84,7 @@ class SPConfig:
     checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
     loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
+    loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -155,17 +156,19 @@ def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
     state = state if state is not None else BackendState()
     group = config.group
+    loss_group = config.loss_group or group
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         ctx = ShardContext(
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
             strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
-            runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads)
+            runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads,
+            loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group))
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)
         if config.loss_chunks > 1 and report.attention:
-            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, group.group_name)
+            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:

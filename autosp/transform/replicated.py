@@ -42,3 +42,25 @@ class _SumGrad(torch.autograd.Function):
 def sum_grad(x: Tensor, group_name: str) -> Tensor:
     """Identity forward; backward sums the gradient over the group."""
     return _SumGrad.apply(x, group_name)
+
+
+class _ShareGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, ranks: int) -> Tensor:
+        ctx.ranks = ranks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad / ctx.ranks, None
+
+
+def share_grad(x: Tensor, ranks: int) -> Tensor:
+    """Identity forward; backward keeps this rank's 1/P share of a gradient every rank computed whole.
+
+    Under the partial convention (``reduce_grads=False``, ZeRO/FSDP reducing after the step) a
+    graph that runs replicated (no attention: a loss or a final norm behind a graph break) gives
+    every rank the full gradient of the parameters it reads; the caller's sum over the P ranks of
+    the group would count it P times. Its 1/P share per rank sums to the full gradient exactly
+    when P is a power of two (a scale by 2^-k is exact in floating point)."""
+    return _ShareGrad.apply(x, ranks)

@@ -58,7 +58,7 @@ from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
-from autosp.transform.replicated import sum_grad
+from autosp.transform.replicated import share_grad, sum_grad
 from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -97,6 +97,18 @@ class ShardContext:
     # loss (a loss after a graph break needs full logits; a 128k x 128k-vocab logits tensor
     # gathered next to the loss would cost every rank the memory SP exists to save)
     gather_outputs: bool | None = None
+    # Where losses and token statistics are made global: the SP group, or with data parallelism
+    # reduced by autosp (zero_stage) the whole dp x sp mesh, so the loss is the global batch's.
+    loss_group_name: str = ""             # "" = group_name
+    loss_ranks: int = 0                   # ranks in that group (0 = world)
+
+    @property
+    def loss_group(self) -> str:
+        return self.loss_group_name or self.group_name
+
+    @property
+    def loss_shards(self) -> int:
+        return self.loss_ranks or self.world
 
 
 @dataclass
@@ -228,16 +240,16 @@ class Sharder:
         return self.report
 
     def _replicated(self) -> ShardReport:
-        """No attention: every rank runs this graph on the same full tensors and, under the full
-        convention, gets full gradients as they are. Under the partial convention a parameter read
-        here would count P times in the caller's sum: refused, naming where the graph starts."""
+        """No attention: every rank runs this graph on the same full tensors and gets the full
+        gradients of the parameters it reads. Under the full convention they leave as they are;
+        under the partial one each rank keeps its 1/P share (:func:`share_grad`), so the caller's
+        sum over the group counts them once."""
         params = [n for n in self.with_grad if n in self.params]
         self.report.replicated_params = len(params)
         if params and self.ctx.world > 1 and not self.ctx.reduce_grads:
-            raise AutospError(
-                f"a graph break leaves {len(params)} parameters in a graph without attention (starting at "
-                f"{self.report.starts_at}); with reduce_grads=False their gradients cannot stay partial sums: use "
-                "autosp.compile(model) with reduce_grads=True, or remove the graph break")
+            self._route_inputs(params, share_grad, self.ctx.world)
+            self.graph.lint()
+            self.gm.recompile()
         return self.report
 
     def _no_baked_parameters(self) -> None:
@@ -393,7 +405,7 @@ class Sharder:
         if isinstance(target, fx.Node) and self.place.get(target) is None and self.seq_dims(_val(target)):
             self._replace_input(n, target, self._slice(target))
         n.target = sharded_cross_entropy
-        n.kwargs = {**n.kwargs, "group_name": self.ctx.group_name}
+        n.kwargs = {**n.kwargs, "group_name": self.ctx.loss_group}
         reduction = n.kwargs.get("reduction", n.args[6] if len(n.args) > 6 else "mean")
         self.place[n] = self.seq_dims(_val(n)) or None if reduction == "none" else None
         self.report.global_reductions += reduction != "none"
@@ -414,7 +426,7 @@ class Sharder:
         follows (a router's load-balancing loss) sees the statistic of every token."""
         with self.graph.inserting_after(n):
             total = self.graph.call_function(token_total, (n,), {
-                "group_name": self.ctx.group_name, "shards": self.ctx.world if _name(n) == "mean" else 1})
+                "group_name": self.ctx.loss_group, "shards": self.ctx.loss_shards if _name(n) == "mean" else 1})
         total.meta = _inserted_meta(n)
         n.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
         self._localize_shape_args(n)
@@ -431,7 +443,7 @@ class Sharder:
     def _global_reduction(self, n: fx.Node) -> None:
         fn = global_sum if _name(n) == "sum" else global_mean
         n.op, n.target = "call_function", fn
-        n.kwargs = {"group_name": self.ctx.group_name}
+        n.kwargs = {"group_name": self.ctx.loss_group}
         self.place[n] = None
         self.report.global_reductions += 1
 

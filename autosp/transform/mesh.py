@@ -1,0 +1,78 @@
+"""The device mesh autosp trains on: ``("dp", "sp")``, or ``("sp",)`` alone.
+
+Sequence parallelism runs inside each ``"sp"`` row of the mesh (every rank of a row
+holds the same batch and a slice of its tokens); data parallelism runs across rows
+(each row its own batch). Where autosp reduces gradients itself (``zero_stage``), the
+loss and the token statistics are made global over the *whole* mesh, so a step equals
+one process on the concatenated global batch, and parameter gradients are summed over
+the whole mesh once, in buckets (:mod:`autosp.transform.grad_reducer`): the SP sum and
+the DP sum are one reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autosp.errors import AutospError
+
+ZERO_STAGES = (0, 1)
+
+
+@dataclass
+class Mesh:
+    sp: dist.ProcessGroup            # this rank's sequence-parallel group
+    whole: dist.ProcessGroup         # every rank of the mesh (dp x sp): the loss's and gradients' group
+    sp_degree: int
+    dp_degree: int
+    device_mesh: DeviceMesh | None = None
+
+
+def check_zero_stage(stage: int | None) -> None:
+    if stage is None or stage in ZERO_STAGES:
+        return
+    if stage in (2, 3):
+        raise AutospError(f"zero_stage={stage} (sharded gradients{' and parameters' if stage == 3 else ''}) is not "
+                          "applied by autosp yet; use zero_stage=1 (optimizer states sharded, gradients "
+                          "reduced in buckets) or zero_stage=0")
+    raise AutospError(f"zero_stage must be one of 0, 1, 2, 3 (or None: gradients summed over the SP group "
+                      f"only), got {stage!r}")
+
+
+def mesh_from(mesh: DeviceMesh) -> Mesh:
+    """Check a user's mesh and take its groups: 1-D (SP only) or 2-D with an ``"sp"`` dimension."""
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        if names not in (None, ("sp",)):
+            raise AutospError(f"a 1-D mesh is the SP group; name its dimension 'sp', not {names[0]!r}")
+        group = mesh.get_group()
+        return Mesh(sp=group, whole=group, sp_degree=mesh.size(), dp_degree=1, device_mesh=mesh)
+    if mesh.ndim != 2 or names is None or "sp" not in names:
+        raise AutospError(f"the mesh has dimensions {names or mesh.ndim}; autosp needs one named 'sp' (and "
+                          "'dp' beside it), e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'sp'))")
+    if names != ("dp", "sp"):
+        raise AutospError(f"mesh dimensions {names}: autosp reads ('dp', 'sp'), SP innermost (its ranks "
+                          "consecutive, so they share a node); name them so")
+    return Mesh(sp=mesh["sp"].get_group(), whole=_flat_group(mesh), sp_degree=mesh["sp"].size(),
+                dp_degree=mesh["dp"].size(), device_mesh=mesh)
+
+
+def mesh_for(sp_size: int | None) -> Mesh:
+    """The mesh ``sp_size`` asks for: consecutive groups of ``sp_size`` ranks, data parallel across."""
+    world = dist.get_world_size()
+    sp = world if sp_size is None else sp_size
+    if sp <= 0 or world % sp:
+        raise AutospError(f"sp_size={sp_size} does not divide the world size {world}; pick a divisor of {world}")
+    if sp == world:
+        return Mesh(sp=dist.group.WORLD, whole=dist.group.WORLD, sp_degree=world, dp_degree=1)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return mesh_from(init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp")))
+
+
+def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One group over every rank of the mesh (the world when the mesh spans it)."""
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten("dp_sp").get_group()
