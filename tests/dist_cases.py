@@ -536,14 +536,15 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
         out["losses"].append((loss_ref.item(), loss.item()))
         out["loss_err"] = max(out["loss_err"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            e = _rel(p.grad, q.grad)
+            e = _rel(_full(p.grad), q.grad)
             if e > out["grad_err"]:
                 out["grad_err"], out["worst"] = e, f"step {step} {name}"
         opt_ref.step()
         opt_sp.step()
+        grad_bytes = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters())
         opt_ref.zero_grad()
         opt_sp.zero_grad()
-    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    flat = lambda m: torch.cat([_full(p.detach()).flatten() for p in m.parameters()])  # noqa: E731
     out["param_err"] = _rel(flat(model), flat(ref))
     out["strategies"] = sp.state.strategies
     out["report"] = sp.report().as_dict()
@@ -551,10 +552,33 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
     out["optimizer"] = type(opt_sp).__name__
     out["params"] = sum(1 for p in model.parameters() if p.requires_grad)
     states = getattr(opt_sp, "optim", opt_sp).state.values()
-    out["state_elements"] = sum(t.numel() for st in states for t in st.values() if t.dim() > 0)
+    out["state_elements"] = sum(_local(t).numel() for st in states for t in st.values() if t.dim() > 0)
     out["param_elements"] = sum(p.numel() for p in model.parameters())
+    out["local_param_elements"] = sum(_local(p).numel() for p in model.parameters())
+    # what this rank holds between steps: parameters, gradients (before zero_grad), optimizer states
+    out["state_bytes"] = grad_bytes + sum(_local(t).numel() * t.element_size() for st in states
+                                          for t in st.values() if t.dim() > 0) + \
+        sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    out["one_process_state_bytes"] = sum(p.numel() * p.element_size() for p in ref.parameters()) * 4  # p, g, 2 moments
+    if zero_stage is not None:
+        from autosp.costmodel.memory import model_states
+        from autosp.graph import capture
+
+        states_pred = model_states(capture(build(kind, **cfg), seq_len=seq_len, batch_size=per_row, dtype="float32"),
+                                   world, zero_stage)
+        out["predicted_state_bytes"] = sum(states_pred.values())
+    out["fsdp_units"] = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
     out["sp_rows"] = dist.get_world_size(sp.mesh.sp), dist.get_world_size(sp.mesh.whole)
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's shard) made whole; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
@@ -601,12 +625,15 @@ def dp_sp_errors() -> list[str]:
     """The one-line refusals of bad mesh / ZeRO input."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    import torch.distributed as dist
+
     out = []
+    pair, _ = dist.new_subgroups(group_size=2)
     attempts = [
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))),
         lambda: autosp.compile(build("llama"), sp_size=3),
         lambda: autosp.compile(build("llama"), zero_stage=5),
-        lambda: autosp.compile(build("llama"), zero_stage=3),
+        lambda: autosp.compile(build("llama"), group=pair, zero_stage=3),
         lambda: autosp.compile(build("llama"), zero_stage=0, reduce_grads=False),
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("sp",)), sp_size=4),
         lambda: autosp.compile(build("llama")).no_sync(),

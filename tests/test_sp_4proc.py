@@ -118,7 +118,11 @@ def check_dp_sp(res, strategy, zero_stage, rows=2):
         assert (rep["dp_degree"], rep["zero_stage"], rep["sp_degree"]) == (rows, zero_stage, 4 // rows)
         assert all(a["tokens_per_rank"] == 32 // (4 // rows) for a in rep["attention"])
         assert rep["collectives"]["all_reduce"]["calls"] == 2, rep["collectives"]
-        assert rep["collectives"]["grad_all_reduce"]["calls"] == rep["grad_buckets"] < r["params"]
+        if zero_stage in (0, 1):
+            assert rep["collectives"]["grad_all_reduce"]["calls"] == rep["grad_buckets"] < r["params"]
+        else:          # FSDP's reduce-scatter, not autosp's buckets; parameters held as 1/4 shards
+            assert "grad_all_reduce" not in rep["collectives"] and r["fsdp_units"] == 1
+            assert r["local_param_elements"] * 4 == r["param_elements"]
         assert r["sp_rows"] == (4 // rows, 4)
     assert len({r["losses"][-1][1] for r in res}) == 1        # one global loss, on every rank
 
@@ -128,6 +132,18 @@ def test_dp_by_sp_mesh_with_zero_stage_0_equals_one_process_on_the_global_batch(
     res = run_ok(pool, "dp_sp_compare", kind=kind, strategy=strategy, zero_stage=0)
     check_dp_sp(res, strategy, 0)
     assert all(r["optimizer"] == "AdamW" and r["state_elements"] == 2 * r["param_elements"] for r in res)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind,strategy", [("llama", "ulysses"), ("qwen2", "zigzag_ring")])
+def test_zero_stages_2_and_3_through_fsdp2_equal_one_process(pool, stage, kind, strategy):
+    res = run_ok(pool, "dp_sp_compare", kind=kind, strategy=strategy, zero_stage=stage)
+    check_dp_sp(res, strategy, stage)
+    for r in res if stage == 3 else ():
+        # parameters + gradients + AdamW moments held by a rank: a quarter of one process's, as predicted
+        # (stage 2 gathers the parameters for the whole step: the cost model counts them whole)
+        assert abs(r["state_bytes"] / (r["one_process_state_bytes"] / 4) - 1) < 0.10, r
+        assert abs(r["state_bytes"] / r["predicted_state_bytes"] - 1) < 0.05, r
 
 
 def test_zero_stage_1_shards_optimizer_states_over_the_mesh(pool):
@@ -152,7 +168,7 @@ def test_mesh_and_zero_stage_errors_name_the_fix(pool):
     assert "named 'sp'" in msgs[0] and "mesh_dim_names=('dp', 'sp')" in msgs[0]
     assert "does not divide the world size 4" in msgs[1]
     assert "must be one of 0, 1, 2, 3" in msgs[2]
-    assert "zero_stage=3" in msgs[3] and "zero_stage=1" in msgs[3]
+    assert "zero_stage=3" in msgs[3] and "pass mesh=" in msgs[3]
     assert "contradicts" in msgs[4]
     assert "not both" in msgs[5]
-    assert "zero_stage=0 or 1" in msgs[6]
+    assert "compile with zero_stage=0-3" in msgs[6]

@@ -35,6 +35,7 @@ from autosp.transform.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.report import AttentionRow, SPReport
+from autosp.transform.zero import shard_parameters
 
 
 
@@ -130,6 +131,11 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         the_mesh = mesh_for(sp_size)
     group = the_mesh.sp
     reduced_by_us = zero_stage is not None
+    if zero_stage in (2, 3):
+        if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
+            raise AutospError(f"zero_stage={zero_stage} shards parameters over a device mesh; pass mesh= "
+                              "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of group=")
+        shard_parameters(model, the_mesh, zero_stage)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, layer_paths=_layer_paths(model),
@@ -137,7 +143,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     _set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage
-    if reduced_by_us:
+    if zero_stage in (0, 1):
         sp.reducer = GradReducer(list(model.parameters()), the_mesh.whole, bucket_mb)
     sp.plan = the_plan
     sp.plan_provider = provider
@@ -216,8 +222,10 @@ class SequenceParallel(nn.Module):
     def no_sync(self) -> ContextManager:
         """Backwards inside this block keep this rank's partial gradients (micro-batches being
         accumulated); the backward after it sums them over the mesh once. Needs ``zero_stage``."""
+        if self.zero_stage in (2, 3):
+            return _fsdp_no_sync(self.module)
         if self.reducer is None:
-            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero_stage=0 or 1")
+            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero_stage=0-3")
         return self.reducer.no_sync()
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
@@ -288,6 +296,7 @@ class SequenceParallel(nn.Module):
         if self.plan is not None and self.plan_provider is None:
             self.plan.check(seq_len=seq_len)
         padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
+        self.state.seq_len = padded_len
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
         if padded_len != seq_len and seq_len not in self._warned_lengths:
@@ -414,6 +423,16 @@ class SequenceParallel(nn.Module):
         if padded and self.state.unmasked_noncausal:
             raise AutospError("padding a non-causal attention without a mask would change results; pass an "
                               "attention_mask or a sequence length divisible by the SP degree")
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    """FSDP's own switch: backwards inside keep unsharded, unreduced gradients."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ class BackendState:
     # see inside compiled code, which runs no Python dispatch mode entered outside it.
     graph_hooks: list[Callable[[], ContextManager]] = field(default_factory=list)
     said: set[str] = field(default_factory=set)          # one-time warnings already given
+    seq_len: int = 0                                     # padded length of the batch being run (by the wrapper)
 
     @property
     def strategies(self) -> list[str]:
@@ -163,7 +164,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
             strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
             runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads,
-            loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group))
+            loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group),
+            seq_len=state.seq_len)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             state.eager_attention.extend(_eager_attention_sites(gm))
         report = shard_graph(gm, example_inputs, ctx)

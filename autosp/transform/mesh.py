@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autosp.errors import AutospError
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -33,10 +33,6 @@ class Mesh:
 def check_zero_stage(stage: int | None) -> None:
     if stage is None or stage in ZERO_STAGES:
         return
-    if stage in (2, 3):
-        raise AutospError(f"zero_stage={stage} (sharded gradients{' and parameters' if stage == 3 else ''}) is not "
-                          "applied by autosp yet; use zero_stage=1 (optimizer states sharded, gradients "
-                          "reduced in buckets) or zero_stage=0")
     raise AutospError(f"zero_stage must be one of 0, 1, 2, 3 (or None: gradients summed over the SP group "
                       f"only), got {stage!r}")
 
@@ -69,6 +65,17 @@ def mesh_for(sp_size: int | None) -> Mesh:
         return Mesh(sp=dist.group.WORLD, whole=dist.group.WORLD, sp_degree=world, dp_degree=1)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return mesh_from(init_device_mesh(device, (world // sp, sp), mesh_dim_names=("dp", "sp")))
+
+
+def flat_device_mesh(mesh: Mesh) -> DeviceMesh:
+    """The whole mesh as one 1-D device mesh (what FSDP shards over)."""
+    if mesh.device_mesh is None or mesh.device_mesh.ndim == 1:
+        if mesh.device_mesh is not None:
+            return mesh.device_mesh
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh.device_mesh = init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("sp",))
+        return mesh.device_mesh
+    return mesh.device_mesh._flatten("dp_sp")
 
 
 def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:

@@ -99,6 +99,7 @@ class ShardContext:
     gather_outputs: bool | None = None
     # Where losses and token statistics are made global: the SP group, or with data parallelism
     # reduced by autosp (zero_stage) the whole dp x sp mesh, so the loss is the global batch's.
+    seq_len: int = 0                      # the padded length of the batch being compiled for
     loss_group_name: str = ""             # "" = group_name
     loss_ranks: int = 0                   # ranks in that group (0 = world)
 
@@ -197,6 +198,18 @@ class Sharder:
             syms |= d.node.expr.free_symbols
         return syms
 
+    def find_seq_symbols_by_length(self, length: int) -> set[sympy.Symbol]:
+        """A graph without attention but with a loss (the head and loss behind a graph break, e.g.
+        after per-block FSDP units): its sequence dims are those of the batch's length. Sharding it
+        keeps the logits this rank's and makes the loss global over the loss group."""
+        syms: set[sympy.Symbol] = set()
+        for n in self.graph.nodes:
+            v = _val(n) if n.op == "placeholder" else None
+            for d in (v.shape if isinstance(v, torch.Tensor) else ()):
+                if isinstance(d, torch.SymInt) and d.node.hint == length and isinstance(d.node.expr, sympy.Symbol):
+                    syms.add(d.node.expr)
+        return syms
+
     def seq_dims(self, v: Any) -> tuple[int, ...]:
         if not isinstance(v, torch.Tensor):
             return ()
@@ -213,12 +226,18 @@ class Sharder:
     # ------------------------------------------------------------------ main
     def run(self) -> ShardReport:
         attn = [n for n in self.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
-        if not attn:
+        losses = [n for n in self.graph.nodes if n.op == "call_function" and n.target in CE_TARGETS]
+        if not attn and not (losses and self.ctx.seq_len and self.find_seq_symbols_by_length(self.ctx.seq_len)):
             return self._replicated()
         if self.ctx.reduce_grads:       # gradients leave whole (summed over the group), not as this rank's share
             self._route_inputs(self.with_grad, sum_grad, self.ctx.group_name)
+        else:
+            # Under the partial convention parameters keep this rank's share, but activations that
+            # cross a graph boundary leave whole: the graph before may run replicated (it gets full
+            # gradients, as it would from a replicated consumer) or sharded (it keeps its slice).
+            self._route_inputs([n for n in self.with_grad if n not in self.params], sum_grad, self.ctx.group_name)
         self._no_baked_parameters()
-        self.syms = self.find_seq_symbols(attn)
+        self.syms = self.find_seq_symbols(attn) if attn else self.find_seq_symbols_by_length(self.ctx.seq_len)
         self.full_len = self._full_len_node()
         for n in list(self.graph.nodes):
             if n.op in ("placeholder", "get_attr"):
