@@ -4,39 +4,33 @@
     loss = model(input_ids=ids, labels=ids).loss   # every rank passes the same full batch
     loss.backward()                                # grads == single-device grads
 
-The wrapper does what must happen outside the graph: pad the sequence to a
-multiple of the SP degree (labels with -100, masks with 0), mark the sequence
-dim dynamic (one graph for every length), reduce parameter gradients over the
-SP group, and trim padded outputs back. The graph rewrite itself lives in
+Here the arguments become a configuration: the mesh (SP groups, data parallel across),
+the ZeRO stage, a plan's choices; the module it returns,
+:class:`autosp.transform.sequence_parallel.SequenceParallel`, does what must happen
+outside the graph at each call. The graph rewrite itself lives in
 :mod:`autosp.transform.sharding`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
+import os
 import warnings
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autosp.errors import AutospError
-from autosp.graph.build import find_blocks
-from autosp.graph.hf_compat import install_output_hooks, is_hf_model, sdpa_unsupported, unpacked_positions
-from autosp.strategies import AUTO, SPMesh, check_spec, required_layout, resolve
-from autosp.strategies.collectives import TALLY
-from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
-from autosp.transform.backend import BackendState, SPConfig, check_compiler, make_backend
+from autosp.strategies import check_spec
+from autosp.transform.backend import SPConfig, check_compiler
 from autosp.transform.checkpointing import check_modes
 from autosp.transform.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
-from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
-from autosp.transform.report import AttentionRow, SPReport
+from autosp.transform.sequence_parallel import SequenceParallel, layer_paths, layout_for, set_up
 from autosp.transform.zero import shard_parameters
 
+__all__ = ["SequenceParallel", "compile"]
 
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
@@ -84,8 +78,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     (:mod:`autosp.transform.grad_reducer`); ``1``: the same, and ``sp.optimizer(cls, **kw)`` shards
     the optimizer states over the mesh.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
-    its SP degree, token layout and per-layer strategies are applied; a plan made for another
-    world size, sequence length or model is refused.
+    its SP degree (the mesh: DP across), ZeRO stage (unless ``zero_stage`` is given), token layout,
+    per-layer strategies and checkpointing are applied; a plan made for another world size,
+    sequence length or model, or one that splits Ulysses and ring by node for another node size
+    than the launch's (``LOCAL_WORLD_SIZE``), is refused.
     Without an initialised process group there is nothing to split: the model is returned
     as it is, with a warning, so one training script runs alone or under torchrun.
     """
@@ -94,8 +90,10 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     if the_plan is not None:
         if dist.is_available() and dist.is_initialized():
             the_plan.check(world_size=dist.get_world_size())
+            _check_plan_placement(the_plan)
         strategy, layout, checkpoint = the_plan.strategy(), the_plan.layout, the_plan.checkpoint()
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
+        zero_stage = the_plan.zero_stage if zero_stage is None else zero_stage
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         check_spec(st)
@@ -110,7 +108,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         raise AutospError(f"loss_chunks must be a positive integer, got {loss_chunks!r}")
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     check_modes(checkpoint)
-    layout = _layout_for(strategies, layout)
+    layout = layout_for(strategies, layout)
     if layout == "balanced" and compiler != "eager":
         raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
                           "first batch; use compiler='eager' with it, or layout='zigzag'")
@@ -138,9 +136,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         shard_parameters(model, the_mesh, zero_stage)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
-                      loss_chunks=loss_chunks, layer_paths=_layer_paths(model),
+                      loss_chunks=loss_chunks, layer_paths=layer_paths(model),
                       loss_group=the_mesh.whole if reduced_by_us else group)
-    _set_up(config, strategies)
+    set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage
     if zero_stage in (0, 1):
@@ -148,6 +146,16 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     sp.plan = the_plan
     sp.plan_provider = provider
     return sp
+
+
+def _check_plan_placement(plan: Any) -> None:
+    """A plan that keeps Ulysses inside nodes of N devices runs as planned only where nodes have N."""
+    launched = os.environ.get("LOCAL_WORLD_SIZE")
+    split = any(layer.get("ulysses_degree", 1) > 1 and layer.get("ring_degree", 1) > 1 for layer in plan.layers)
+    if launched and split and int(launched) != plan.devices_per_node:
+        raise AutospError(f"this plan keeps each Ulysses group inside a node of {plan.devices_per_node} devices, but "
+                          f"the launch has {launched} per node (LOCAL_WORLD_SIZE); re-plan with --devices-per-node "
+                          f"{launched}")
 
 
 def _load_plan(plan: Any) -> Any:
@@ -162,291 +170,3 @@ def _load_plan(plan: Any) -> Any:
     raise AutospError(f"plan must be a Plan or the path of a plan JSON, not {type(plan).__name__}")
 
 
-def _layout_for(strategies: list[str], layout: str | None) -> str:
-    """The global token layout: the one the named strategies need, checked against ``layout``."""
-    need = required_layout([resolve(st) for st in strategies if st != AUTO])
-    if layout is None:
-        return need or "contiguous"
-    check_layout(layout)
-    if need is not None and layout != need:
-        raise AutospError(f"strategies {', '.join(strategies)} need layout='{need}' (the layout is one global "
-                          f"choice), not '{layout}'")
-    return layout
-
-
-def _set_up(config: SPConfig, strategies: list[str]) -> None:
-    """Each named strategy's runtime arguments (and process groups), on every rank in the same order."""
-    for st in dict.fromkeys(strategies):
-        if st != AUTO:
-            strat = resolve(st)
-            if strat.spec not in config.runtime:
-                config.runtime[strat.spec] = strat.setup(config.group)
-
-
-def _layer_paths(model: nn.Module) -> list[str]:
-    """Qualified names of the model's transformer layers, in order (where checkpointing cuts)."""
-    blocks = {id(b) for b in find_blocks(model)}
-    return [name for name, m in model.named_modules() if id(m) in blocks]
-
-
-class SequenceParallel(nn.Module):
-    """The module ``autosp.compile`` returns; ``.module`` is the original model."""
-
-    def __init__(self, module: nn.Module, config: SPConfig):
-        super().__init__()
-        self.module = module
-        self.config = config
-        self.group = config.group
-        self.sp_degree = dist.get_world_size(config.group)
-        # zigzag cuts the sequence into 2P chunks: pad to a multiple of that
-        self.pad_multiple = n_chunks(config.layout, self.sp_degree)
-        self.state = BackendState()
-        # Not registered as a submodule: it wraps the same parameters.
-        # dynamic=True: every input dim is symbolic (parameters stay static), so the sequence
-        # length is a symbol in every graph, also in a loss graph after a graph break whose
-        # inputs (gathered logits) no hint could mark.
-        object.__setattr__(self, "_compiled",
-                           torch.compile(module, backend=make_backend(config, self.state), dynamic=True))
-        self._signature = inspect.signature(module.forward)
-        self._is_hf = is_hf_model(module)
-        if self._is_hf:
-            install_output_hooks(module)
-        self._checked = False
-        self.plan = None             # the Plan applied, if any
-        self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
-        self._warned_lengths: set[int] = set()
-        self.mesh: Mesh | None = None    # set by autosp.compile
-        self.zero_stage: int | None = None
-        self.reducer: GradReducer | None = None
-
-    def no_sync(self) -> ContextManager:
-        """Backwards inside this block keep this rank's partial gradients (micro-batches being
-        accumulated); the backward after it sums them over the mesh once. Needs ``zero_stage``."""
-        if self.zero_stage in (2, 3):
-            return _fsdp_no_sync(self.module)
-        if self.reducer is None:
-            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero_stage=0-3")
-        return self.reducer.no_sync()
-
-    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-        """The optimizer for this model: ``cls(params, **kwargs)``; with ``zero_stage=1`` its states
-        are sharded over the whole mesh (``ZeroRedundancyOptimizer``: each rank updates its share of
-        the parameters, then broadcasts them)."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.zero_stage == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.whole, **kwargs)
-        return cls(params, **kwargs)
-
-    def report(self) -> SPReport:
-        """What autosp did to this model: per attention op and, for the last step (since its
-        forward began), the collectives issued and the padding added."""
-        step = getattr(self, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
-        mesh = SPMesh(self.sp_degree, self.config.layout)
-        modes = self.config.checkpoint
-        rows = []
-        for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
-            u, r = resolve(spec).grid(mesh)
-            rows.append(AttentionRow(
-                index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
-                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
-                checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"))
-        groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
-        if self.mesh is not None:
-            groups.add(self.mesh.whole.group_name)
-        counts: dict[str, dict[str, int]] = {}
-        for (group, kind), (calls, sent) in TALLY.items():
-            before = step["tally"].get((group, kind), (0, 0))
-            if group in groups and calls > before[0]:
-                c = counts.setdefault(kind, {"calls": 0, "bytes": 0})
-                c["calls"] += calls - before[0]
-                c["bytes"] += sent - before[1]
-        return SPReport(sp_degree=self.sp_degree, dp_degree=self.mesh.dp_degree if self.mesh else 1,
-                        zero_stage=self.zero_stage,
-                        grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
-                        seq_len=step["seq_len"], padded_len=step["padded_len"],
-                        compiled_graphs=len(self.state.reports), attention=rows, collectives=counts,
-                        work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
-                        if "positions" in step else [])
-
-    @contextlib.contextmanager
-    def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
-        """Within this block, every compiled graph of this model runs inside ``hook()``.
-
-        How measurement tools (the memory probe) see inside compiled code; the runtime
-        itself installs none."""
-        self.state.graph_hooks.append(hook)
-        try:
-            yield
-        finally:
-            self.state.graph_hooks.remove(hook)
-
-    def forward(self, *args: Any, cu_seqlens: Any = None, **kwargs: Any) -> Any:
-        """The model's forward, sequence-parallel. ``cu_seqlens`` (optional): cumulative document
-        lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
-        into position ids that restart at each document (the model then masks across them)."""
-        bound = self._signature.bind_partial(*args, **kwargs)
-        named = bound.arguments
-        seq_len = self._sequence_length(named)
-        if cu_seqlens is not None:
-            self._positions_from(cu_seqlens, named, seq_len)
-        if self.plan is None and self.plan_provider is not None:
-            self._plan_now(named, seq_len)
-        if self.plan is not None and self.plan_provider is None:
-            self.plan.check(seq_len=seq_len)
-        padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple
-        self.state.seq_len = padded_len
-        self._step = {"seq_len": seq_len, "padded_len": padded_len,
-                      "tally": {k: tuple(v) for k, v in TALLY.items()}}
-        if padded_len != seq_len and seq_len not in self._warned_lengths:
-            self._warned_lengths.add(seq_len)
-            what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
-            warnings.warn(f"sequence length {seq_len} is not divisible by {self.pad_multiple} ({what}); "
-                          f"autosp pads it to {padded_len} and masks the padding", stacklevel=2)
-        for name, value in list(named.items()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-                named[name] = pad_seq(value, name, padded_len)
-        self._deal_tokens(named, padded_len)
-        if self._is_hf and "use_cache" in self._signature.parameters and "use_cache" not in named:
-            named["use_cache"] = False       # a KV cache concatenates along the sharded dim
-        # Python ints stay constants (e.g. HF's logits_to_keep=0 must read as "keep all").
-        with unpacked_positions(self._is_hf and "position_ids" not in named), \
-                torch._dynamo.config.patch(specialize_int=True), _own_errors():
-            out = self._compiled(*bound.args, **bound.kwargs)
-        self._check_once(padded_len != seq_len)
-        if padded_len != seq_len and named.get("attention_mask") is None and \
-                any(r.token_statistics for r in self.state.reports):
-            raise AutospError(
-                f"sequence length {seq_len} is not divisible by {self.pad_multiple}; autosp pads it to {padded_len}, "
-                "and the padding would enter the statistics this model takes over all tokens (a router's "
-                f"load-balancing loss) and change it; use a sequence length divisible by {self.pad_multiple}")
-        if padded_len == seq_len or self.state.local_outputs:
-            return out
-        return trim(out, padded_len, seq_len)
-
-    def _positions_from(self, cu_seqlens: Any, named: dict[str, Any], seq_len: int) -> None:
-        if "position_ids" not in self._signature.parameters:
-            raise AutospError(f"cu_seqlens becomes position ids, but {type(self.module).__name__}.forward takes no "
-                              "position_ids; pass them to the model yourself")
-        if named.get("position_ids") is not None:
-            raise AutospError("give cu_seqlens or position_ids, not both (cu_seqlens becomes the position ids)")
-        ids = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
-        named["position_ids"] = positions_from_cu_seqlens(cu_seqlens, ids.shape[0], seq_len).to(ids.device)
-
-    def _deal_tokens(self, named: dict[str, Any], padded_len: int) -> None:
-        """Under the balanced layout, deal this batch's chunks from its documents (position ids
-        restarting at 0). The positions are kept for the report, which computes every layout's
-        attention work per rank when asked (no host copy on the training path otherwise)."""
-        pos = named.get("position_ids")
-        if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
-            pos = torch.arange(padded_len).unsqueeze(0)
-        self._step["positions"] = pos.detach()
-        if self.config.layout == "balanced":
-            set_balanced(deal_balanced(pos.detach().cpu(), self.sp_degree), self.sp_degree)
-
-    def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
-        """Plan for this batch (the SP degree is the group's), then configure before compiling."""
-        batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
-        padded = -(-seq_len // self.sp_degree) * self.sp_degree
-        plan = self.plan_provider(self.module, batch, padded, self.group,
-                                  documents=documents_of(named.get("position_ids"), padded))
-        if plan is None:                 # planning failed (already reported): keep the default choice
-            self.plan_provider = None
-            return
-        chosen = plan.strategy()
-        strategies = [chosen] if isinstance(chosen, str) else chosen
-        self.config.strategy, self.config.layout = chosen, _layout_for(strategies, plan.layout)
-        if tuple(getattr(self.plan_provider, "checkpoints", ("none",))) != ("none",):
-            self.config.checkpoint = plan.checkpoint()      # the planner chose it (else: the caller's)
-        self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
-        _set_up(self.config, strategies)
-        self.plan = plan
-
-    def _refuse_eager_parameters(self) -> None:
-        """With partial-sum gradients, a parameter no compiled graph reads ran eagerly (a graph break
-        left its frame uncompiled) on the full sequence: its gradient is full on every rank, and the
-        caller's sum over the SP group would count it P times. Refused when its gradient arrives
-        (a parameter that is simply unused gets none)."""
-        how, fix = (f"zero_stage={self.zero_stage}", "use zero_stage=None (gradients summed inside the graphs)") \
-            if self.zero_stage is not None else ("reduce_grads=False", "use reduce_grads=True")
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in self.state.graph_params:
-                def refuse(grad: torch.Tensor, name: str = name) -> torch.Tensor:
-                    raise AutospError(f"parameter {name} ran outside autosp's compiled graphs (a graph break left "
-                                      f"its code eager), so with {how} its gradient is not a partial sum; "
-                                      f"{fix} or remove the graph break")
-                p.register_hook(refuse)
-
-    def _sequence_length(self, named: dict[str, Any]) -> int:
-        for key in ("input_ids", "inputs_embeds"):
-            if isinstance(named.get(key), torch.Tensor):
-                return named[key].shape[1]
-        for value in named.values():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                return value.shape[1]
-        raise AutospError("no [batch, sequence, ...] tensor among the inputs; pass input_ids of shape [B, S]")
-
-    def _check_once(self, padded: bool) -> None:
-        if self._checked:
-            return
-        self._checked = True
-        if not self.state.reports:
-            raise AutospError(
-                "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
-                f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
-                "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
-        if self.state.attention_ops == 0 and sdpa_unsupported(self.module):
-            raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard: transformers "
-                              "implements no SDPA attention for this family (only eager attention), and autosp "
-                              "shards SDPA calls; SP cannot run on this model yet")
-        if self.state.attention_ops == 0:
-            found = "; ".join(self.state.eager_attention) or "no attention op at all"
-            raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "
-                              f"(found: {found}); build the model with attn_implementation='sdpa' or call "
-                              "F.scaled_dot_product_attention")
-        if not self.config.reduce_grads and self.sp_degree > 1:
-            self._refuse_eager_parameters()
-        if self.zero_stage is not None and self.mesh.dp_degree > 1 and torch.is_grad_enabled() and \
-                not any(r.global_reductions for r in self.state.reports):
-            raise AutospError(
-                f"with data parallelism ({self.mesh.dp_degree} rows of the mesh) autosp makes the loss global over "
-                "the mesh where the model computes it, but no compiled graph computes a loss over the sharded "
-                "tokens (it follows a graph break, or the model is called without labels); compute the loss in "
-                "the model (pass labels), or use zero_stage=None and reduce over data parallel ranks yourself")
-        planned = self.config.strategy
-        if not isinstance(planned, str) and len(planned) != self.state.attention_ops:
-            raise AutospError(
-                f"{len(planned)} per-layer strategies were given but the compiled graphs hold "
-                f"{self.state.attention_ops} attention ops (a graph break can make one compiled frame serve several "
-                "layers); give one strategy for every layer, or remove the graph break")
-        if padded and self.state.unmasked_noncausal:
-            raise AutospError("padding a non-causal attention without a mask would change results; pass an "
-                              "attention_mask or a sequence length divisible by the SP degree")
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
-    """FSDP's own switch: backwards inside keep unsharded, unreduced gradients."""
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-@contextlib.contextmanager
-def _own_errors() -> Iterator[None]:
-    """An AutospError raised while compiling reaches the user as itself, not wrapped in Dynamo's
-    BackendCompilerFailed with its boilerplate, so ``except autosp.AutospError`` catches it."""
-    try:
-        yield
-    except AutospError:
-        raise
-    except Exception as e:  # noqa: BLE001 - re-raised unchanged unless an AutospError is inside
-        inner: BaseException | None = e
-        while inner is not None and not isinstance(inner, AutospError):
-            inner = inner.__cause__ or inner.__context__
-        if inner is None:
-            raise
-        raise AutospError(str(inner)) from None
