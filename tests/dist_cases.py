@@ -226,6 +226,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
     out["plan_documents"] = getattr(sp.plan, "predicted", {}).get("documents") if getattr(sp, "plan", None) else None
     out["plan_layers"] = sp.plan.layers if getattr(sp, "plan", None) is not None else None
+    out["plan_devices_per_node"] = sp.plan.devices_per_node if getattr(sp, "plan", None) is not None else None
+    out["runtime"] = next(iter(sp.config.runtime.values()), {})     # the groups of the (first) strategy
     return out
 
 

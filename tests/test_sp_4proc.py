@@ -106,7 +106,7 @@ def test_compiled_path_hybrid_on_four_ranks(pool):
                        steps=2), ["hybrid:2x2"] * 2)
 
 
-def check_dp_sp(res, strategy, zero_stage, rows=2):
+def check_dp_sp(res, strategy, zero_stage, rows=2, boundaries=0):
     """Exact against one process on the global batch, and what ran: the strategy per layer, S/P tokens
     per rank, the loss made global once (2 all-reduces: sum and count), gradients reduced in buckets
     (never one call per parameter), every rank of a row holding the same loss."""
@@ -117,7 +117,8 @@ def check_dp_sp(res, strategy, zero_stage, rows=2):
         rep = r["report"]
         assert (rep["dp_degree"], rep["zero_stage"], rep["sp_degree"]) == (rows, zero_stage, 4 // rows)
         assert all(a["tokens_per_rank"] == 32 // (4 // rows) for a in rep["attention"])
-        assert rep["collectives"]["all_reduce"]["calls"] == 2, rep["collectives"]
+        # + one per activation crossing a graph break (its gradient leaves whole)
+        assert rep["collectives"]["all_reduce"]["calls"] == 2 + boundaries, rep["collectives"]
         if zero_stage in (0, 1):
             assert rep["collectives"]["grad_all_reduce"]["calls"] == rep["grad_buckets"] < r["params"]
         else:          # FSDP's reduce-scatter, not autosp's buckets; parameters held as 1/4 shards
@@ -127,10 +128,11 @@ def check_dp_sp(res, strategy, zero_stage, rows=2):
     assert len({r["losses"][-1][1] for r in res}) == 1        # one global loss, on every rank
 
 
-@pytest.mark.parametrize("kind,strategy", [("llama", "ulysses"), ("qwen2", "ring")])
+@pytest.mark.parametrize("kind,strategy", [("llama", "ulysses"), ("qwen2", "ring"),
+                                           ("gpt2", "ulysses")])      # its loss follows a graph break
 def test_dp_by_sp_mesh_with_zero_stage_0_equals_one_process_on_the_global_batch(pool, kind, strategy):
     res = run_ok(pool, "dp_sp_compare", kind=kind, strategy=strategy, zero_stage=0)
-    check_dp_sp(res, strategy, 0)
+    check_dp_sp(res, strategy, 0, boundaries=kind == "gpt2")
     assert all(r["optimizer"] == "AdamW" and r["state_elements"] == 2 * r["param_elements"] for r in res)
 
 

@@ -167,7 +167,10 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group),
             seq_len=state.seq_len)
         if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
-            state.eager_attention.extend(_eager_attention_sites(gm))
+            sites = _eager_attention_sites(gm)
+            state.eager_attention.extend(sites)
+            if sites:               # hand-written attention: never sharded by length (refused by name after)
+                ctx.seq_len = 0
         report = shard_graph(gm, example_inputs, ctx)
         if config.loss_chunks > 1 and report.attention:
             report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name)

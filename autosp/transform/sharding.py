@@ -239,7 +239,10 @@ class Sharder:
         self._no_baked_parameters()
         self.syms = self.find_seq_symbols(attn) if attn else self.find_seq_symbols_by_length(self.ctx.seq_len)
         self.full_len = self._full_len_node()
+        entry = set() if attn else self._slice_activations_at_entry()
         for n in list(self.graph.nodes):
+            if n in entry:
+                continue
             if n.op in ("placeholder", "get_attr"):
                 self.place[n] = None
             elif n.op == "output":
@@ -257,6 +260,25 @@ class Sharder:
         self.graph.lint()
         self.gm.recompile()
         return self.report
+
+    def _slice_activations_at_entry(self) -> set[fx.Node]:
+        """A loss graph without attention: the activations it receives (gathered by the graph before)
+        are sliced to this rank's tokens where they enter, so the head and the loss run on them."""
+        entry = set()
+        for p in self.with_grad:
+            if p in self.params or not self.seq_dims(_val(p)):
+                continue
+            src = p
+            if len(p.users) == 1 and next(iter(p.users)).target in (sum_grad, share_grad):
+                src = next(iter(p.users))            # the gradient convention's wrapper comes first
+            s = self._slice(src)
+            with self.graph.inserting_after(s):      # a view of the gathered tensor: views of it must work
+                c = self.graph.call_method("contiguous", (s,))
+            c.meta = _inserted_meta(src)
+            self.place[c] = self.place[s]
+            src.replace_all_uses_with(c, delete_user_cb=lambda user, s=s: user is not s)
+            entry |= {s, c}
+        return entry
 
     def _replicated(self) -> ShardReport:
         """No attention: every rank runs this graph on the same full tensors and gets the full
