@@ -647,3 +647,45 @@ def dp_sp_errors() -> list[str]:
         except AutospError as e:
             out.append(str(e))
     return out
+
+
+def checkpoint_resume(path: str, zero_stage: int = 3, resume_on: tuple[int, int] = (2, 2),
+                      resume_stage: int | None = None, seq_len: int = 32) -> dict[str, Any]:
+    """Train 2 AdamW steps on a 2 x 2 mesh, save (DCP), train 2 more; then a fresh model and
+    optimizer, on ``resume_on`` (rows, SP) with ``resume_stage``, load and train the same 2 steps:
+    the losses, bit for bit. Also the full parameters after the save, for a plain load to check."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autosp.checkpoint
+
+    def run(rows: int, stage: int | None, steps: range, load: bool = False) -> tuple[list[float], Any]:
+        mesh = init_device_mesh("cpu", (rows, 4 // rows), mesh_dim_names=("dp", "sp"))
+        row = mesh.get_local_rank("dp")
+        torch.manual_seed(1 if load else 0)                 # the resumed model starts from other weights
+        model = build("llama")
+        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=stage)
+        opt = sp.optimizer(torch.optim.AdamW, lr=1e-2)
+        extra = autosp.checkpoint.load(sp, opt, path) if load else {}
+        losses, full = [], None
+        per_row = 4 // rows
+        for step in steps:
+            if not load and step == 2:
+                autosp.checkpoint.save(sp, opt, path, step=step)
+                full = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+            ids, labels = _batch(step, 4, seq_len, True)
+            mine = slice(row * per_row, (row + 1) * per_row)
+            loss = _loss(sp, "llama", ids[mine], labels[mine])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, (full, extra)
+
+    first, (full, _) = run(2, zero_stage, range(4))
+    dist.barrier()
+    torch._dynamo.reset()
+    resumed, (_, extra) = run(resume_on[0], zero_stage if resume_stage is None else resume_stage, range(2, 4),
+                              load=True)
+    return {"uninterrupted": first[2:], "resumed": resumed, "extra": extra,
+            "full": {n: t.tolist() for n, t in full.items()} if dist.get_rank() == 0 else None}
