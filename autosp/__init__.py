@@ -7,9 +7,11 @@ Public API:
     autosp.load_profile(name)       a hardware profile (costmodel/, profiles/)
     autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
     autosp.token_local(cls)         declare a module whose output per token depends on that token alone
+    autosp.checkpoint.save / load   resumable checkpoints (torch.distributed.checkpoint)
     torch.compile(model, backend="autosp", dynamic=True)
 """
 
+from autosp import checkpoint
 from autosp.costmodel.profile import load_profile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
@@ -46,5 +48,5 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
 compile.__doc__ = (compile.__doc__ or "") + "\n\n" + (_compile.__doc__ or "")
 
 __all__ = ["compile", "plan", "Plan", "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError",
-           "token_local"]
+           "token_local", "checkpoint"]
 __version__ = "0.1.0"

@@ -50,9 +50,11 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     even across ranks (see :mod:`autosp.strategies.layout`).
     ``sp_size`` splits the world into consecutive groups of that many ranks (SP inside,
     data parallel across). ``reduce_grads=True``: every rank's parameter gradients are the
-    single-device ones (the SP sum happens inside the graphs' backward, see
-    :mod:`autosp.transform.replicated`); ``False``: they are this rank's partial sums, which
-    the caller's DDP/FSDP reduces over the SP group too.
+    single-device ones of its row's batch (the SP sum happens inside the graphs' backward, see
+    :mod:`autosp.transform.replicated`); ``False``: the loss is global over the whole mesh
+    (every row's tokens) and gradients are this rank's partial sums, whose *sum* over the
+    whole mesh is the global batch's gradient: for the caller's DeepSpeed/FSDP to reduce
+    (one that averages over the N ranks takes ``loss * N`` in its backward).
     ``gather_outputs``: sequence-sharded outputs (logits) come back all-gathered (True), as
     this rank's tokens (False), or by default all-gathered only from graphs that compute no
     loss: a model called with labels returns the global loss and this rank's logits (full
@@ -137,7 +139,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, layer_paths=layer_paths(model),
-                      loss_group=the_mesh.whole if reduced_by_us else group)
+                      loss_group=the_mesh.whole if reduced_by_us or not reduce_grads else group)
     set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage

@@ -154,6 +154,8 @@ class SequenceParallel(nn.Module):
         """The model's forward, sequence-parallel. ``cu_seqlens`` (optional): cumulative document
         lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
         into position ids that restart at each document (the model then masks across them)."""
+        if not self._checked:
+            _refuse_partitioned_parameters(self.module)
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
@@ -291,6 +293,15 @@ class SequenceParallel(nn.Module):
         if padded and self.state.unmasked_noncausal:
             raise AutospError("padding a non-causal attention without a mask would change results; pass an "
                               "attention_mask or a sequence length divisible by the SP degree")
+
+
+def _refuse_partitioned_parameters(module: nn.Module) -> None:
+    """DeepSpeed ZeRO 3 partitions parameters and gathers each module's on entry through hooks on every
+    module; torch.compile stops at each, leaving graph pieces without the sequence length."""
+    if any(hasattr(p, "ds_id") and hasattr(p, "ds_status") for p in module.parameters()):
+        raise AutospError("DeepSpeed ZeRO stage 3 partitions the parameters with hooks on every module, which cut "
+                          "autosp's compiled graph into pieces it cannot shard; use DeepSpeed ZeRO stage 1 or 2, or "
+                          "autosp.compile(model, mesh=mesh, zero_stage=3) (FSDP2)")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,73 @@
+"""One rank of a 4-process torchrun job: autosp inside ``deepspeed.initialize`` on a 2 (DP) x 2 (SP) mesh.
+
+Launched by ``test_deepspeed.py`` with ``DS_ACCELERATOR=cpu``. For DeepSpeed ZeRO 1 and 2: 3 AdamW
+steps against one process on the global batch (the rows' ignored labels differ); ZeRO 3 must be
+refused in one line. Rank 0 writes ``OUT/result.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+
+def main(out_dir: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_cases import _batch, _loss, _rel, build
+
+    import autosp
+    from autosp.errors import AutospError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    row, world = mesh.get_local_rank("dp"), dist.get_world_size()
+    result: dict = {}
+    for stage in (1, 2, 3):
+        torch._dynamo.reset()
+        ref = build("llama")
+        model = copy.deepcopy(ref)
+        # the recipe: partial gradients, loss global over the mesh; DeepSpeed reduces
+        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, reduce_grads=False)
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+                  "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=sp, optimizer=torch.optim.AdamW(sp.parameters(), lr=1e-3),
+                                          config=config)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        losses = []
+        try:
+            for step in range(3):
+                ids, labels = _batch(step, 4, 32, True)
+                labels[2:, :24] = -100
+                loss_ref = _loss(ref, "llama", ids, labels)
+                loss_ref.backward()
+                opt_ref.step()
+                opt_ref.zero_grad()
+                mine = slice(2 * row, 2 * row + 2)
+                loss = engine(input_ids=ids[mine], labels=labels[mine], use_cache=False).loss
+                engine.backward(loss * world)      # DeepSpeed averages over the 4 ranks; autosp's partials add up
+                engine.step()
+                losses.append((loss_ref.item(), loss.item()))
+        except AutospError as e:
+            result[stage] = {"refused": str(e)}
+            continue
+        flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+        result[stage] = {"losses": losses, "param_err": _rel(flat(model), flat(ref)),
+                         "strategies": sp.state.strategies, "report": sp.report().as_dict()}
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
