@@ -1,8 +1,8 @@
 """One rank of a 4-process torchrun job: autosp inside ``deepspeed.initialize`` on a 2 (DP) x 2 (SP) mesh.
 
 Launched by ``test_deepspeed.py`` with ``DS_ACCELERATOR=cpu``. For DeepSpeed ZeRO 1 and 2: 3 AdamW
-steps against one process on the global batch (the rows' ignored labels differ); ZeRO 3 must be
-refused in one line. Rank 0 writes ``OUT/result.json``.
+steps against one process on the global batch (the rows' ignored labels differ); ZeRO 3, and
+DeepSpeed's own sequence-parallel groups, must be refused in one line. Rank 0 writes ``OUT/result.json``.
 """
 
 from __future__ import annotations
@@ -33,14 +33,16 @@ def main(out_dir: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     row, world = mesh.get_local_rank("dp"), dist.get_world_size()
     result: dict = {}
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, "own-sp"):
         torch._dynamo.reset()
         ref = build("llama")
         model = copy.deepcopy(ref)
         # the recipe: partial gradients, loss global over the mesh; DeepSpeed reduces
         sp = autosp.compile(model, strategy="ulysses", mesh=mesh, reduce_grads=False)
-        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
-                  "zero_allow_untested_optimizer": True}
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1 if stage == "own-sp" else stage},
+                  "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}
+        if stage == "own-sp":         # DeepSpeed told to make sequence-parallel groups of its own: refused
+            config.update(sequence_parallel_size=4, data_parallel_size=1)
         engine, *_ = deepspeed.initialize(model=sp, optimizer=torch.optim.AdamW(sp.parameters(), lr=1e-3),
                                           config=config)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)

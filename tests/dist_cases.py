@@ -510,7 +510,7 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
 
 def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str = "ulysses", steps: int = 3,
                   seq_len: int = 32, rows: int = 2, uneven: bool = True, bucket_mb: float = 0.01,
-                  **cfg: Any) -> dict[str, Any]:
+                  plan_dir: str = "", **cfg: Any) -> dict[str, Any]:
     """A dp x sp mesh (``rows`` data-parallel rows) against one process on the concatenated global
     batch: loss and every parameter gradient per AdamW step, and what ran (from the report)."""
     import torch.distributed as dist
@@ -521,7 +521,12 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
     row = mesh.get_local_rank("dp")
     ref = build(kind, **cfg)
     model = copy.deepcopy(ref)
-    sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb)
+    if plan_dir:           # the same configuration, as a plan file applied whole
+        path = f"{plan_dir}/plan-{dist.get_rank()}.json"
+        _dp_plan(kind, seq_len, rows, strategy, zero_stage).save(path)
+        sp = autosp.compile(model, plan=path, bucket_mb=bucket_mb)
+    else:
+        sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = sp.optimizer(torch.optim.AdamW, lr=1e-3)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
@@ -562,7 +567,7 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
                                           for t in st.values() if t.dim() > 0) + \
         sum(_local(p).numel() * p.element_size() for p in model.parameters())
     out["one_process_state_bytes"] = sum(p.numel() * p.element_size() for p in ref.parameters()) * 4  # p, g, 2 moments
-    if zero_stage is not None:
+    if zero_stage == 3:
         from autosp.costmodel.memory import model_states
         from autosp.graph import capture
 
@@ -572,6 +577,20 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
     out["fsdp_units"] = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
     out["sp_rows"] = dist.get_world_size(sp.mesh.sp), dist.get_world_size(sp.mesh.whole)
     return out
+
+
+def _dp_plan(kind: str, seq_len: int, rows: int, strategy: str, zero_stage: int | None,
+             devices_per_node: int = 4) -> Any:
+    from autosp.planner.plan import Plan
+
+    sp = 4 // rows
+    u, r = (int(x) for x in strategy.split(":")[1].split("x")) if strategy.startswith("hybrid") else \
+        ((sp, 1) if strategy == "ulysses" else (1, sp))
+    return Plan(model=kind, fingerprint="x", seq_len=seq_len, batch_size=2, dtype="float32", world_size=4,
+                devices_per_node=devices_per_node, sp_degree=sp, dp_degree=rows, layout="contiguous",
+                layers=[{"class": "Layer", "count": 2, "strategy": strategy, "checkpoint": "none",
+                         "ulysses_degree": u, "ring_degree": r}],
+                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=zero_stage or 0)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -615,6 +634,20 @@ def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
     return {"grad_err": err, "refused": refused, "reduced_inside_no_sync": inside}
 
 
+def _with_env(**env: str) -> Any:
+    import os
+
+    def run(fn: Any) -> Any:
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in before.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return run
+
+
 def _grad_reductions_since() -> Any:
     """A counter of autosp's gradient all-reduces issued since it was made."""
     from autosp.strategies.collectives import TALLY
@@ -639,6 +672,8 @@ def dp_sp_errors() -> list[str]:
         lambda: autosp.compile(build("llama"), zero_stage=0, reduce_grads=False),
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("sp",)), sp_size=4),
         lambda: autosp.compile(build("llama")).no_sync(),
+        lambda: _with_env(LOCAL_WORLD_SIZE="2")(
+            lambda: autosp.compile(build("llama"), plan=_dp_plan("llama", 32, 1, "hybrid:2x2", 0))),
     ]
     for attempt in attempts:
         try:

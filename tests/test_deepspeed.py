@@ -30,3 +30,5 @@ def test_deepspeed_zero_1_and_2_train_exactly_and_zero_3_is_refused(tmp_path):
             assert abs(got - ref) / ref < 1e-5, r["losses"]
         assert r["param_err"] < 1e-5, r
     assert "DeepSpeed ZeRO stage 3" in res["3"]["refused"] and "zero_stage=3" in res["3"]["refused"]
+    assert "own sequence-parallel group (ranks [0, 1, 2, 3]" in res["own-sp"]["refused"]
+    assert "leave sequence_parallel_size" in res["own-sp"]["refused"]

@@ -156,6 +156,7 @@ class SequenceParallel(nn.Module):
         into position ids that restart at each document (the model then masks across them)."""
         if not self._checked:
             _refuse_partitioned_parameters(self.module)
+            _check_deepspeed_groups(self.group)
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
@@ -302,6 +303,29 @@ def _refuse_partitioned_parameters(module: nn.Module) -> None:
         raise AutospError("DeepSpeed ZeRO stage 3 partitions the parameters with hooks on every module, which cut "
                           "autosp's compiled graph into pieces it cannot shard; use DeepSpeed ZeRO stage 1 or 2, or "
                           "autosp.compile(model, mesh=mesh, zero_stage=3) (FSDP2)")
+
+
+def _check_deepspeed_groups(group: dist.ProcessGroup) -> None:
+    """Under DeepSpeed, autosp splits the sequence and DeepSpeed must see plain data parallelism over
+    every rank (it then sums autosp's partial gradients over all of them). With its own
+    ``sequence_parallel_size`` it reduces over its data-parallel group only: wrong gradients, refused."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return
+    from deepspeed.utils import groups
+
+    try:
+        if groups._get_sequence_parallel_world_size() == 1:
+            return
+        theirs = sorted(dist.get_process_group_ranks(groups._get_sequence_parallel_group()))
+    except (AssertionError, KeyError, AttributeError):      # DeepSpeed without sequence-parallel groups
+        return
+    ours = sorted(dist.get_process_group_ranks(group))
+    same = "the same ranks as autosp's" if theirs == ours else f"ranks {theirs}, autosp's are {ours}"
+    raise AutospError(f"DeepSpeed has its own sequence-parallel group ({same}); leave sequence_parallel_size and "
+                      "data_parallel_size out of the DeepSpeed config: autosp splits the sequence, and DeepSpeed "
+                      "must reduce gradients over every rank")
 
 
 @contextlib.contextmanager
