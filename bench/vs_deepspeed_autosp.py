@@ -1,0 +1,194 @@
+"""autosp against DeepSpeed AutoSP, side by side on the same CPU run.
+
+    MALLOC_MMAP_THRESHOLD_=65536 python bench/vs_deepspeed_autosp.py [--seq-lens 4096,16384] [--repeats 3]
+        [--cap-mb 150]
+
+Same tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, vocabulary 1000, fp32, random
+weights from one seed), batch 1, 2 gloo ranks with one thread each, a full AdamW training step
+(forward, backward, gradient reduction, optimizer). Each system runs in its own two spawned
+processes (DeepSpeed patches torch when its compile pass loads). Measured the same way for
+both: the median step after two warm-up steps, and the per-rank peak resident memory of one
+step above the steady state (``autosp.tools.memory_probe.RssPeak``; glibc returns freed
+blocks to the OS under ``MALLOC_MMAP_THRESHOLD_=65536``). The first loss of each is printed
+next to one process's on the same batch.
+
+DeepSpeed AutoSP runs as ``../shared/REFERENCES.md`` describes its CPU recipe (deepcompile
+with the ``autosp`` pass, a mask-free causal SDPA registered with transformers so that its
+pass finds the attention, labels pre-shifted, ``prepare_autosp_inputs`` on each batch,
+``engine.backward(loss * SP)``). autosp runs as a user would: ``autosp.compile(model)``
+with Ulysses, and once more with its memory-saving decisions (full checkpointing, the LM head
+and loss in 8 chunks).
+
+``--cap-mb``: also the longest sequence each trains under that per-rank step-memory cap,
+doubling the length from 4096 while the measured peak stays under the cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from autosp.tools.launch import median_time, spawn_gloo
+
+VOCAB = 1000
+AUTOSP_CONFIGS = {"autosp": {}, "autosp, full checkpointing + 8 loss chunks": {"checkpoint": "full",
+                                                                                 "loss_chunks": 8}}
+
+
+def tiny(attn: str = "sdpa"):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB,
+                                   attn_implementation=attn)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _ids(seq_len: int):
+    import torch
+
+    return torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+
+
+def _measure(step, repeats: int) -> tuple[float, int, float]:
+    """(median step seconds, max per-rank peak step bytes, first loss)."""
+    import torch.distributed as dist
+
+    from autosp.tools.memory_probe import RssPeak
+
+    first = step()
+    step()
+    seconds = median_time(step, repeats, dist.barrier)
+    with RssPeak() as rss:
+        step()
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, rss.peak)
+    return seconds, max(peaks), first
+
+
+def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
+    import torch
+
+    import autosp
+
+    ids = _ids(seq_len)
+    model = tiny()
+    sp = autosp.compile(model, strategy="ulysses", **config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> float:
+        loss = sp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    seconds, peak, loss = _measure(step, repeats)
+    return dict(step_s=seconds, peak=peak, loss=loss)
+
+
+def _register_causal_sdpa() -> str:
+    """A mask-free causal attention for transformers: HF then builds no mask, and the AutoSP
+    pass finds a plain ``scaled_dot_product_attention`` call."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    def causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("bench_causal_sdpa", causal_sdpa)
+    return "bench_causal_sdpa"
+
+
+def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    sp = dist.get_world_size()
+    model = tiny(_register_causal_sdpa())
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+                 "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+                 "compile": {"deepcompile": True, "passes": ["autosp"]}, "sequence_parallel_size": sp}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
+                                      config=ds_config)
+    engine.compile()
+    ids = _ids(seq_len)
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)     # AutoSP shifts inside each shard
+    positions = torch.arange(seq_len).unsqueeze(0)
+
+    def step() -> float:
+        i, labels, pos, _ = prepare_autosp_inputs(ids.clone(), shifted.clone(), positions.clone())
+        loss = engine(input_ids=i, labels=labels, shift_labels=labels, position_ids=pos,
+                      num_items_in_batch=seq_len - 1, use_cache=False).loss
+        engine.backward(loss * sp)      # the engine averages; the global loss is the sum of shard losses
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item()
+
+    seconds, peak, loss = _measure(step, repeats)
+    return dict(step_s=seconds, peak=peak, loss=loss)
+
+
+def one_process_loss(seq_len: int) -> float:
+    ids = _ids(seq_len)
+    return tiny()(input_ids=ids, labels=ids).loss.item()
+
+
+def measure(system: str, seq_len: int, repeats: int) -> dict:
+    if system == "DeepSpeed AutoSP":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        return spawn_gloo(run_deepspeed, 2, threads=1, seq_len=seq_len, repeats=repeats, config={})
+    return spawn_gloo(run_autosp, 2, threads=1, seq_len=seq_len, repeats=repeats, config=AUTOSP_CONFIGS[system])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq-lens", default="4096,16384")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cap-mb", type=float, default=0.0)
+    ap.add_argument("--max-seq-len", type=int, default=65536)
+    args = ap.parse_args()
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        print("note: set MALLOC_MMAP_THRESHOLD_=65536 for a stable steady state")
+    systems = ["DeepSpeed AutoSP", *AUTOSP_CONFIGS]
+    t0 = time.perf_counter()
+    print("tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, vocabulary 1000), batch 1, 2 gloo ranks, "
+          "1 thread each, full AdamW step\n")
+    print("| S | system | step (s) | vs AutoSP | peak step memory / rank | vs AutoSP | first loss (1 process) |")
+    print("|---|---|---|---|---|---|---|")
+    for seq_len in [int(s) for s in args.seq_lens.split(",")]:
+        single = one_process_loss(seq_len)
+        rows = {s: measure(s, seq_len, args.repeats) for s in systems}
+        base = rows["DeepSpeed AutoSP"]
+        for s, r in rows.items():
+            print(f"| {seq_len} | {s} | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x | "
+                  f"{r['peak'] / 2**20:.0f} MB | {r['peak'] / base['peak']:.2f}x | {r['loss']:.5f} ({single:.5f}) |",
+                  flush=True)
+    if args.cap_mb:
+        print(f"\nlongest sequence under {args.cap_mb:.0f} MB per rank (doubling from 4096):")
+        for s in systems:
+            best, seq_len = 0, 4096
+            while seq_len <= args.max_seq_len:
+                r = measure(s, seq_len, 1)
+                if r["peak"] > args.cap_mb * 2**20:
+                    break
+                best, seq_len = seq_len, seq_len * 2
+            print(f"  {s}: {best}", flush=True)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
