@@ -39,9 +39,8 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
         from autosp.autoplan import AutoPlanner
 
         explicit = "checkpoint" in kwargs and kwargs["checkpoint"] != "none"
-        eager = kwargs.get("compiler", "eager") == "eager"
         plan = AutoPlanner(fallback=plan is None, memory_limit=memory_limit,
-                           checkpoints=("none", "selective", "full") if eager and not explicit else ("none",))
+                           checkpoints=("none",) if explicit else ("none", "selective", "full"))
     return _compile(model, plan=plan, **kwargs)
 
 

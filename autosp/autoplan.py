@@ -8,7 +8,7 @@ so a restarted job skips planning. The SP degree is the group's; the planner pic
 the attention strategy and activation checkpointing per layer and the token layout at the
 least predicted time under a memory limit: ``autosp.compile(memory_limit=...)`` in bytes,
 by default the device's (a GPU's capacity; on CPU the available RAM shared by the ranks
-on this machine). Checkpointing is chosen only where it is applied (the eager compiler).
+on this machine).
 Devices per node come from the launch (``LOCAL_WORLD_SIZE``), else from the profile.
 """
 

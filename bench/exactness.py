@@ -2,6 +2,7 @@
 
     python bench/exactness.py                                    # MoE, masks, tiled loss, memory budget
     python bench/exactness.py --cases moe
+    python bench/exactness.py --cases dp                         # 2 (DP) x 2 (SP) on 4 processes, ZeRO 0-3
 
 Runs cases of ``tests/dist_cases.py`` on 2 gloo processes (one thread each); each trains
 a small model for one step with autosp and, in the same process, without it, and prints
@@ -24,6 +25,10 @@ CASES = {
               dict(kind="llama", inputs="packed", strategy="allgather_kv"),
               dict(kind="llama", inputs="cu_seqlens", strategy="ring")],
     "tiled": [dict(kind="llama", strategy="ring", loss_chunks=4)],
+    # against one process on the global batch, 3 AdamW steps, the rows' ignored labels uneven
+    "dp": [dict(kind=k, strategy=st, zero_stage=z) for z in (0, 1, 2, 3)
+           for k, st in (("llama", "ulysses"), ("qwen2", "zigzag_ring"))] +
+          [dict(kind="gpt2", strategy="ulysses", zero_stage=0)],
 }
 
 
@@ -33,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="moe,masks,tiled,budget,tiled_memory")
     names = ap.parse_args().cases.split(",")
-    pool = Pool(2)
+    pool = Pool(4 if "dp" in names else 2)
     try:
         for name in names:
             if name == "budget":
@@ -46,6 +51,12 @@ def main() -> None:
                 r = pool.run("loss_tiling_memory")[0][1]
                 print(f"tiled loss, vocab 8192, 1024 tokens, SP 2: step peak whole {r[1]['peak'] / 1e6:.1f} MB, "
                       f"8 chunks {r[8]['peak'] / 1e6:.1f} MB; loss err {r[1]['loss_err']:.1e} / {r[8]['loss_err']:.1e}")
+            elif name == "dp":
+                for kw in CASES[name]:
+                    r = pool.run("dp_sp_compare", **kw)[0][1]
+                    print(f"{kw}: {r['strategies']} over 3 steps loss err {r['loss_err']:.1e}, grad err "
+                          f"{r['grad_err']:.1e}, parameters after {r['param_err']:.1e}; held per rank "
+                          f"{r['state_bytes']} B of one process's {r['one_process_state_bytes']} B")
             else:
                 for kw in CASES[name]:
                     r = pool.run("train_compare", steps=1, **kw)[0][1]

@@ -16,8 +16,8 @@ DeepSpeed AutoSP runs as ``../shared/REFERENCES.md`` describes its CPU recipe (d
 with the ``autosp`` pass, a mask-free causal SDPA registered with transformers so that its
 pass finds the attention, labels pre-shifted, ``prepare_autosp_inputs`` on each batch,
 ``engine.backward(loss * SP)``). autosp runs as a user would: ``autosp.compile(model)``
-with Ulysses, and once more with its memory-saving decisions (full checkpointing, the LM head
-and loss in 8 chunks).
+with Ulysses (eager graphs, the default), through Inductor, and through Inductor with its
+memory-saving decisions (selective or full checkpointing, the LM head and loss in 8 chunks).
 
 ``--cap-mb``: also the longest sequence each trains under that per-rank step-memory cap,
 doubling the length from 4096 while the measured peak stays under the cap.
@@ -32,8 +32,14 @@ import time
 from autosp.tools.launch import median_time, spawn_gloo
 
 VOCAB = 1000
-AUTOSP_CONFIGS = {"autosp": {}, "autosp, full checkpointing + 8 loss chunks": {"checkpoint": "full",
-                                                                                 "loss_chunks": 8}}
+AUTOSP_CONFIGS = {
+    "autosp": {},
+    "autosp, Inductor": {"compiler": "inductor"},
+    "autosp, Inductor, selective checkpointing + 8 loss chunks": {"compiler": "inductor", "checkpoint": "selective",
+                                                                   "loss_chunks": 8},
+    "autosp, Inductor, full checkpointing + 8 loss chunks": {"compiler": "inductor", "checkpoint": "full",
+                                                              "loss_chunks": 8},
+}
 
 
 def tiny(attn: str = "sdpa"):
@@ -114,6 +120,8 @@ def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
     import torch.distributed as dist
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+                      WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
     deepspeed.init_distributed(dist_backend="gloo")
     sp = dist.get_world_size()
     model = tiny(_register_causal_sdpa())

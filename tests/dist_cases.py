@@ -479,14 +479,14 @@ def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any
     return [str(w.message) for w in caught if "autosp" in w.filename or "SP" in str(w.message)]
 
 
-def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses") -> dict[str, Any]:
+def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: str = "eager") -> dict[str, Any]:
     """Peak step memory (allocator view) of tiny Llama per checkpointing mode, and its losses."""
     from autosp.tools.validation import measure_step, tiny_model
 
     out = {}
     for mode in ("none", "selective", "full"):
         torch._dynamo.reset()
-        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode), seq_len)
+        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode, compiler=compiler), seq_len)
         out[mode] = {"peak": m["peak"], "loss": m["loss"]}
     return out
 

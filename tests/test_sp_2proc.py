@@ -319,15 +319,18 @@ def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compi
     check_exact(res, [strategy] * (1 if kind == "reference_break" else 2))
 
 
-@pytest.mark.parametrize("mode", ["selective", "full", ["full", "none"]])
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-def test_activation_checkpointing_is_exact(pool, mode, strategy):
-    check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, checkpoint=mode, steps=2),
-                [strategy] * 2)
+@pytest.mark.parametrize("mode,strategy,compiler", [
+    ("selective", "ulysses", "eager"), ("full", "ring", "eager"), (["full", "none"], "ulysses", "eager"),
+    # through AOTAutograd the layers' nodes carry recompute tags its partitioner follows
+    ("selective", "ring", "aot_eager"), ("full", "ulysses", "aot_eager"), (["none", "full"], "ring", "aot_eager")])
+def test_activation_checkpointing_is_exact(pool, mode, strategy, compiler):
+    check_exact(run_ok(pool, "train_compare", kind="llama", strategy=strategy, checkpoint=mode, steps=2,
+                       compiler=compiler), [strategy] * 2)
 
 
-def test_activation_checkpointing_saves_memory_in_order(pool):
-    (m, *_r) = run_ok(pool, "checkpoint_memory")
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_activation_checkpointing_saves_memory_in_order(pool, compiler):
+    (m, *_r) = run_ok(pool, "checkpoint_memory", compiler=compiler)
     assert m["none"]["loss"] == m["selective"]["loss"] == m["full"]["loss"], m
     # Per-layer activations dominate at 1024 tokens: full keeps one hidden state per layer.
     assert m["full"]["peak"] < m["selective"]["peak"] < m["none"]["peak"], m

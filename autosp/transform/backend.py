@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.errors import AutospError
-from autosp.transform.checkpointing import apply_checkpointing
+from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
 
@@ -148,9 +148,9 @@ def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
     def mode_of(layer: int) -> str:
         return modes if isinstance(modes, str) else modes[layer]
 
-    if config.compiler != "eager":
-        raise AutospError(f"activation checkpointing is applied with compiler='eager' only so far, not "
-                          f"'{config.compiler}'; pass compiler='eager' or checkpoint='none'")
+    if config.compiler != "eager":          # AOTAutograd's partitioner reads the tags
+        tag_for_recompute(gm, config.layer_paths, mode_of)
+        return gm
     return apply_checkpointing(gm, config.layer_paths, mode_of)
 
 

@@ -7,11 +7,15 @@ Modes (the planner's, see :mod:`autosp.costmodel.memory`):
   full       keep only the layer's inputs; recompute its whole forward in backward
              (the collectives too: the recompute runs in the same order on every rank)
 
-How: the sharded graph is split at transformer-layer boundaries (each node knows its
-module from Dynamo's ``nn_module_stack``), and each checkpointed layer's piece runs
-under ``torch.utils.checkpoint`` (non-reentrant; ``selective`` with a policy of
-torch's selective-checkpoint contexts). The user never wraps layers and nothing in
-torch is replaced process-wide.
+How, with the eager compiler: the sharded graph is split at transformer-layer boundaries
+(each node knows its module from Dynamo's ``nn_module_stack``), and each checkpointed
+layer's piece runs under ``torch.utils.checkpoint`` (non-reentrant; ``selective`` with a
+policy of torch's selective-checkpoint contexts). Through AOTAutograd (``aot_eager``,
+``inductor``): each node of a checkpointed layer is tagged with a recompute policy and
+its layer's checkpoint id (``node.meta["recompute"]``, ``["ac_graph_id"]``, the tags
+``torch.utils.checkpoint`` leaves under torch.compile); AOTAutograd copies them onto the
+aten ops each node becomes, and its partitioner saves or recomputes accordingly. The user
+never wraps layers and nothing in torch is replaced process-wide.
 """
 
 from __future__ import annotations
@@ -55,11 +59,9 @@ def _layer_of(node: fx.Node, layer_paths: list[str]) -> int | None:
     return None
 
 
-def apply_checkpointing(gm: fx.GraphModule, layer_paths: list[str], mode_of: Callable[[int], str]) -> fx.GraphModule:
-    """``gm`` with each layer whose ``mode_of(layer index)`` is not ``none`` run under checkpoint.
-
-    ``layer_paths`` are the qualified names of the model's transformer layers, in order. Nodes
-    the sharding pass inserted (no module stack) stay with the node before them."""
+def _partitions(gm: fx.GraphModule, layer_paths: list[str]) -> dict[fx.Node, int]:
+    """Per node: 2 x layer + 1 inside a layer, an even number between layers. Nodes the sharding
+    pass inserted (no module stack) stay with the node before them."""
     part: dict[fx.Node, int] = {}
     current, outside = 0, 0
     for n in gm.graph.nodes:
@@ -73,6 +75,49 @@ def apply_checkpointing(gm: fx.GraphModule, layer_paths: list[str], mode_of: Cal
                 outside = current + 1
             current = outside
         part[n] = current
+    return part
+
+
+def tag_for_recompute(gm: fx.GraphModule, layer_paths: list[str], mode_of: Callable[[int], str]) -> int:
+    """Tag the nodes of each checkpointed layer for AOTAutograd's partitioner; returns how many.
+
+    ``full``: every node of the layer is recomputed in backward (only what enters it is saved).
+    ``selective``: the outputs of matmuls, attention and autosp's collectives are saved, the rest
+    recomputed."""
+    tagged = 0
+    for n, p in _partitions(gm, layer_paths).items():
+        mode = mode_of(p // 2) if p % 2 else "none"
+        if mode == "none" or n.op != "call_function":
+            continue
+        if _random(n.target):       # a recomputed draw would need the RNG state replayed: kept instead
+            policy = CheckpointPolicy.MUST_SAVE
+        elif mode == "full":
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        else:
+            policy = CheckpointPolicy.MUST_SAVE if _expensive(n.target) else CheckpointPolicy.PREFER_RECOMPUTE
+        n.meta["recompute"] = policy
+        n.meta["ac_graph_id"] = p // 2
+        tagged += 1
+    return tagged
+
+
+def _random(target: Any) -> bool:
+    name = getattr(target, "__name__", "") or str(target)
+    return any(word in name for word in ("dropout", "rand", "bernoulli", "normal_", "uniform_"))
+
+
+def _expensive(target: Any) -> bool:
+    """A Dynamo-graph call whose output selective checkpointing keeps."""
+    name = getattr(target, "__name__", "") or str(target)
+    module = getattr(target, "__module__", "") or ""
+    return name in _KEEP or module.startswith("autosp") or "autosp" in str(target)
+
+
+def apply_checkpointing(gm: fx.GraphModule, layer_paths: list[str], mode_of: Callable[[int], str]) -> fx.GraphModule:
+    """``gm`` with each layer whose ``mode_of(layer index)`` is not ``none`` run under checkpoint.
+
+    ``layer_paths`` are the qualified names of the model's transformer layers, in order."""
+    part = _partitions(gm, layer_paths)
     layers_here = sorted({p // 2 for p in part.values() if p % 2})
     if not any(mode_of(i) != "none" for i in layers_here):
         return gm
