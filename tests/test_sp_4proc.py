@@ -26,7 +26,7 @@ def test_uneven_labels_and_length_not_divisible(pool):
     check_exact(run_ok(pool, "train_compare", kind="reference", seq_len=30, uneven=True))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "olmo2"])
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])     # Qwen2 and Mistral: in the DP and mask tests
 def test_other_sdpa_families_need_no_code(pool, kind):
     check_exact(run_ok(pool, "train_compare", kind=kind, steps=1, heads=4, kv=2))
 
@@ -99,11 +99,6 @@ def test_graph_break_between_sharded_layers_is_exact(pool, strategy):
 @pytest.mark.parametrize("strategy", ["ulysses", "hybrid:2x2"])
 def test_inputs_embeds_from_an_upstream_module_get_full_gradients(pool, strategy):
     check_inputs_embeds(pool, strategy)
-
-
-def test_compiled_path_hybrid_on_four_ranks(pool):
-    check_exact(run_ok(pool, "train_compare", kind="reference", strategy="hybrid:2x2", compiler="aot_eager",
-                       steps=1), ["hybrid:2x2"] * 2)
 
 
 def check_dp_sp(res, strategy, zero_stage, rows=2, boundaries=0):
