@@ -34,11 +34,15 @@ def _optim(optimizer: torch.optim.Optimizer | None) -> Any:
     return getattr(optimizer, "optim", optimizer)
 
 
+def _states(module: nn.Module, opt: Any) -> tuple[dict, dict]:
+    return get_state_dict(module, opt) if opt is not None else (get_state_dict(module, [])[0], {})
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str, **extra: Any) -> None:
     """Write model, optimizer and ``extra`` (ints, floats, strings) to the directory ``path``."""
     module = _plain(model)
     opt = _optim(optimizer)
-    model_sd, optim_sd = get_state_dict(module, opt) if opt is not None else (get_state_dict(module, [])[0], {})
+    model_sd, optim_sd = _states(module, opt)
     dcp.save({"model": model_sd, "optim": optim_sd, "extra": dict(extra)}, checkpoint_id=path)
 
 
@@ -50,13 +54,11 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -
         raise AutospError(f"checkpoint {path} does not exist (autosp.checkpoint.save writes a directory)")
     module = _plain(model)
     opt = _optim(optimizer)
-    model_sd, optim_sd = get_state_dict(module, opt) if opt is not None else (get_state_dict(module, [])[0], {})
+    model_sd, optim_sd = _states(module, opt)
     meta = dcp.FileSystemReader(path).read_metadata()
     extra = {k.split(".", 1)[1]: None for k in meta.state_dict_metadata if k.startswith("extra.")}
     state = {"model": model_sd, "optim": optim_sd, "extra": extra}
     dcp.load(state, checkpoint_id=path)
-    if opt is not None:
-        set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_state_dict(module, [], model_state_dict=state["model"], optim_state_dict={})
+    set_state_dict(module, opt if opt is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     return state["extra"]

@@ -634,6 +634,18 @@ def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
     return {"grad_err": err, "refused": refused, "reduced_inside_no_sync": inside}
 
 
+def _user_fsdp_step() -> Any:
+    """A model the caller wrapped with FSDP per block, then compiled without a ZeRO stage: refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, labels = _batch(0, 2, 32, False)
+    return _loss(autosp.compile(model, strategy="ulysses", reduce_grads=False), "llama", ids, labels)
+
+
 def _with_env(**env: str) -> Any:
     import os
 
@@ -672,6 +684,7 @@ def dp_sp_errors() -> list[str]:
         lambda: autosp.compile(build("llama"), zero_stage=0, reduce_grads=False),
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("sp",)), sp_size=4),
         lambda: autosp.compile(build("llama")).no_sync(),
+        lambda: _user_fsdp_step(),
         lambda: _with_env(LOCAL_WORLD_SIZE="2")(
             lambda: autosp.compile(build("llama"), plan=_dp_plan("llama", 32, 1, "hybrid:2x2", 0))),
     ]

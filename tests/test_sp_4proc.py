@@ -176,7 +176,8 @@ def test_mesh_and_zero_stage_errors_name_the_fix(pool):
     assert "contradicts" in msgs[4]
     assert "not both" in msgs[5]
     assert "compile with zero_stage=0-3" in msgs[6]
-    assert "node of 4 devices" in msgs[7] and "--devices-per-node 2" in msgs[7]
+    assert "already wrapped with FSDP" in msgs[7] and "zero_stage=2 or 3" in msgs[7]
+    assert "node of 4 devices" in msgs[8] and "--devices-per-node 2" in msgs[8]
 
 
 @pytest.mark.parametrize("stage,resume_on,resume_stage", [(3, (2, 2), 3), (3, (1, 4), 0)])

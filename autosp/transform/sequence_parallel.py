@@ -155,7 +155,7 @@ class SequenceParallel(nn.Module):
         lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
         into position ids that restart at each document (the model then masks across them)."""
         if not self._checked:
-            _refuse_partitioned_parameters(self.module)
+            _refuse_partitioned_parameters(self.module, self.zero_stage)
             _check_deepspeed_groups(self.group)
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
@@ -296,9 +296,16 @@ class SequenceParallel(nn.Module):
                               "attention_mask or a sequence length divisible by the SP degree")
 
 
-def _refuse_partitioned_parameters(module: nn.Module) -> None:
+def _refuse_partitioned_parameters(module: nn.Module, zero_stage: int | None) -> None:
     """DeepSpeed ZeRO 3 partitions parameters and gathers each module's on entry through hooks on every
-    module; torch.compile stops at each, leaving graph pieces without the sequence length."""
+    module; torch.compile stops at each, leaving graph pieces without the sequence length. FSDP applied
+    by the caller does the same per unit, and its average (not sum) of the partial gradients and the
+    eager code between its units would give wrong gradients without an error."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if zero_stage not in (2, 3) and any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise AutospError("the model is already wrapped with FSDP (fully_shard); let autosp apply it: "
+                          "autosp.compile(model, mesh=mesh, zero_stage=2 or 3) on the unwrapped model")
     if any(hasattr(p, "ds_id") and hasattr(p, "ds_status") for p in module.parameters()):
         raise AutospError("DeepSpeed ZeRO stage 3 partitions the parameters with hooks on every module, which cut "
                           "autosp's compiled graph into pieces it cannot shard; use DeepSpeed ZeRO stage 1 or 2, or "
