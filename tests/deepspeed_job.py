@@ -20,13 +20,14 @@ def main(out_dir: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import deepspeed
-    import deepspeed.comm.torch
+    import importlib
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     # DeepSpeed's optional shared-memory collectives for CPU are a C++ extension built on first use
     # (tens of seconds in each fresh environment); the recipe does not need them.
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # (``deepspeed.comm.torch`` as an attribute is the torch package that deepspeed.comm re-exports.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     sys.path.insert(0, os.path.dirname(__file__))
     from dist_cases import _batch, _loss, _rel, build

@@ -463,6 +463,7 @@ def inputs_embeds_compare(kind: str = "llama", seq_len: int = 32, steps: int = 2
         for m in (ref, sp_model, up_ref, up_sp):
             m.zero_grad()
     out["strategies"] = sp.state.strategies
+    out["report"] = sp.report().as_dict()
     return out
 
 
@@ -486,7 +487,8 @@ def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: 
     out = {}
     for mode in ("none", "selective", "full"):
         torch._dynamo.reset()
-        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode, compiler=compiler), seq_len)
+        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode, compiler=compiler), seq_len,
+                         repeats=0)
         out[mode] = {"peak": m["peak"], "loss": m["loss"]}
     return out
 

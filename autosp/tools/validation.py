@@ -47,7 +47,7 @@ def measure_step(model, seq_len: int, repeats: int = 1, barrier=None) -> dict[st
         return loss.item(), peak
 
     step()                                           # warm-up (and compile)
-    seconds = median_time(step, repeats, barrier)
+    seconds = median_time(step, repeats, barrier) if repeats else 0.0     # 0: memory only
     loss, peak = step(measure_memory=True)
     return {"time": seconds, "peak": peak, "loss": loss}
 
