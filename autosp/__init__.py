@@ -40,7 +40,8 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
 
         explicit = "checkpoint" in kwargs and kwargs["checkpoint"] != "none"
         plan = AutoPlanner(fallback=plan is None, memory_limit=memory_limit,
-                           checkpoints=("none",) if explicit else ("none", "selective", "full"))
+                           checkpoints=("none",) if explicit else ("none", "selective", "full"),
+                           overlap=kwargs.get("overlap", True))
     return _compile(model, plan=plan, **kwargs)
 
 

@@ -56,11 +56,13 @@ class AutoPlanner:
     """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
 
     def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
-                 memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full")):
+                 memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
+                 overlap: bool = True):
         self.profile = profile
         self.cache = cache
         self.memory_limit = memory_limit        # bytes per device; None: the device's
         self.checkpoints = checkpoints
+        self.overlap = overlap                  # False: plan only unpipelined strategies
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
 
@@ -104,14 +106,14 @@ class AutoPlanner:
         modes = "-".join(self.checkpoints)
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
-               f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}.json")
+               f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}{'' if self.overlap else '-serial'}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
             return Plan.load(path)
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
-                 devices_per_node=dpn)
+                 devices_per_node=dpn, overlap=self.overlap)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -168,7 +168,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
                   inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
-                  loss_chunks: int = 1, **cfg: Any) -> dict[str, Any]:
+                  loss_chunks: int = 1, overlap: bool = True, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
@@ -179,6 +179,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
         kw["layout"] = layout
     if loss_chunks != 1:
         kw["loss_chunks"] = loss_chunks
+    if not overlap:
+        kw["overlap"] = False
     if memory_limit is not None:
         kw = {"memory_limit": memory_limit}
     sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)

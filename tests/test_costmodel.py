@@ -146,3 +146,40 @@ def test_plan_costs_packed_documents(capsys):
     assert main(["plan", "--model", "tiny", "--seq-len", "4096", "--world-size", "2", "--profile", "cpu-gloo",
                  "--documents", "1024,1024"]) != 0
     assert "sum to the sequence length" in capsys.readouterr().err
+
+
+def test_pipelined_transfers_hide_behind_the_groups_kernels():
+    # One head group's transfers take a = 2 x 1 s; 4 groups; the phase's kernels 8 s; a collective
+    # beside compute runs 1.5x slower and slows the compute 1.2x (the profile's concurrency).
+    from autosp.costmodel.predict import transfer_times
+    from autosp.strategies.base import AttentionCost, Transfer
+
+    class Stub:
+        def collective_time(self, *args):
+            return 1.0
+
+        def concurrency(self):
+            return 1.5, 1.2
+
+    piped = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 1.0, "fwd", 2, pipeline=4)],
+                          workspace_bytes=0)
+    comm, exposed = transfer_times(Stub(), piped, t_fwd=8.0, t_bwd=0.0)
+    # first group's inputs and last group's output: 2; 3 groups of 1.5 x 2 = 3 s beside 2 s of kernel: 3 x 1;
+    # the kernels beside transfers: 0.2 x min(6, 9)
+    assert comm == 8.0 and exposed == pytest.approx(2 + 3 * 1 + 0.2 * 6)
+    blocking = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 4.0, "fwd", 2)], workspace_bytes=0)
+    assert transfer_times(Stub(), blocking, 8.0, 0.0) == (2.0, 2.0)       # unpipelined: all exposed
+
+
+def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):
+    # Llama-3-8B on 8 H100s: 16 GB of bf16 gradients, 25 MiB buckets all-reduced during the backward
+    # (stage 0) vs one FSDP unit's gathers and reduce-scatter around it (stage 3): exposed in full.
+    prof = load_profile("h100-sxm")
+    last_bucket = prof.collective_time("all_reduce", 8, 25 * 2**20, False)
+    long = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=0)
+    assert long.gradient_comm_s < long.compute_s / 2         # the backward outlasts the reduction...
+    assert long.exposed_comm_s - long.attention_exposed_s == pytest.approx(last_bucket)   # ...all but the last
+    short = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=512, zero_stage=0)
+    assert last_bucket < short.exposed_comm_s - short.attention_exposed_s < short.gradient_comm_s   # partly
+    sharded = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=3)
+    assert sharded.exposed_comm_s - sharded.attention_exposed_s == pytest.approx(sharded.gradient_comm_s)

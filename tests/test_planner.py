@@ -140,3 +140,19 @@ def test_auto_plan_takes_devices_per_node_from_the_launch(monkeypatch, tmp_path)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     default = AutoPlanner(cache=False, memory_limit=float(2 ** 40))._plan(model, 1, 64, 2)
     assert one.devices_per_node == 1 and default.devices_per_node == 2     # cpu-gloo: 2 per node
+
+
+def test_the_ilp_pipelines_ulysses_where_it_hides_communication():
+    # Llama-3-8B, 64k tokens on 8 H100s: each head group's all-to-alls hide behind another group's
+    # attention, so the ILP picks a head-group count K > 1, predicting less exposed communication
+    # than plain Ulysses; overlap=False leaves only unpipelined strategies.
+    g = capture("llama3-8b", seq_len=65536)
+    kw = dict(graph=g, seq_len=65536, world_size=8, profile="h100-sxm", sp_degrees=(8,), checkpoints=("full",), zero_stage=3,
+              strategies=("ulysses",))
+    piped, plain = plan(None, **kw), plan(None, overlap=False, **kw)
+    (layer,), (plain_layer,) = piped.layers, plain.layers
+    assert layer["strategy"].startswith("ulysses:c") and layer["overlap"].endswith("head groups pipelined"), layer
+    assert plain_layer["strategy"] == "ulysses" and plain_layer["overlap"] == "none"
+    assert layer["exposed_comm_s"] < 0.5 * plain_layer["exposed_comm_s"]
+    assert piped.predicted["total_s"] < plain.predicted["total_s"]
+    assert all(a["layers"][layer["fingerprint"]]["strategy"] == "ulysses" for a in plain.alternatives)

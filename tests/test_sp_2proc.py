@@ -27,6 +27,8 @@ def expected_collectives(strategy: str, world: int, ops: int = 2) -> dict[str, i
     of the loss and the gradients, for ``ops`` attention runs on ``world`` ranks."""
     if strategy == "ulysses":
         return {"all_to_all": 8 * ops}                  # q, k, v in and the output back; their grads
+    if strategy.startswith("ulysses:c"):                # the same per head group
+        return {"all_to_all": 8 * int(strategy[9:]) * ops}
     if strategy in ("ring", "zigzag_ring"):             # P-1 K/V hops forward, P-1 backward, P dK/dV hops
         return {"send_recv": (3 * world - 2) * ops}
     if strategy == "allgather_kv":
@@ -72,6 +74,26 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
         check_ran(res[0], "ulysses", world=2)
 
 
+@pytest.mark.parametrize("strategy,compiler,cfg", [
+    ("ulysses:c2", "eager", dict(heads=4, kv=2)),       # KV heads repeated so that each group has its own
+    ("ulysses:c4", "eager", dict(heads=8, kv=8)),
+    ("ulysses:c2", "aot_eager", dict(heads=8, kv=4))])
+def test_ulysses_in_pipelined_head_groups_is_exact(pool, strategy, compiler, cfg):
+    # Each head group's all-to-alls are issued before the previous group's attention and waited
+    # for after it (forward and backward): the same kernel calls, the bytes moved in K pieces.
+    res = run_ok(pool, "train_compare", kind="llama", strategy=strategy, compiler=compiler, steps=2, **cfg)
+    check_exact(res, [strategy] * 2)
+    check_ran(res[0], strategy, world=2)
+    k = int(strategy[9:])
+    assert [a["overlap"] for a in res[0]["report"]["attention"]] == [f"{k} head groups pipelined"] * 2
+
+
+def test_overlap_false_runs_the_plain_form(pool):
+    res = run_ok(pool, "train_compare", kind="llama", strategy="ulysses:c2", overlap=False, steps=1, heads=4, kv=2)
+    check_first_step_exact(res, ["ulysses"] * 2)
+    check_ran(res[0], "ulysses", world=2)
+
+
 def test_uneven_ignored_labels_and_odd_length(pool):
     # 33 tokens on 2 ranks: padded to 34; most ignored labels sit on rank 0's half.
     check_exact(run_ok(pool, "train_compare", kind="llama", seq_len=33, uneven=True))
@@ -104,7 +126,7 @@ def test_other_strategies_match_single_device(pool, strategy, kind):
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2)
     check_exact(res, [strategy] * 2)
     for r in res:
-        check_ran(r, strategy, world=2)
+        check_ran(r, strategy, world=r["report"]["sp_degree"])
 
 
 MASKED = {"window": dict(kind="mistral", sliding_window=8),      # HF builds a sliding-window mask
@@ -272,7 +294,7 @@ def check_graph_break(pool, strategy):
         check_exact([r], [strategy])
         assert r["graphs"] == 2 and r["replicated_params"] == 3, r      # ffn_norm, w1, w2
         # one attention graph, run for both layers; its output gathered for the eager frame each time
-        check_ran(r, strategy, world=2, ops=1, runs=2, also={"all_gather": 2})
+        check_ran(r, strategy, world=r["report"]["sp_degree"], ops=1, runs=2, also={"all_gather": 2})
 
 
 def check_inputs_embeds(pool, strategy):
@@ -280,7 +302,7 @@ def check_inputs_embeds(pool, strategy):
         assert r["strategies"] == [strategy] * 2, r
         assert r["loss_err"] <= LOSS_TOL and r["grad_err"] <= GRAD_TOL, r
         assert r["upstream_grad_err"] <= GRAD_TOL, r
-        check_ran(r, strategy, world=2)
+        check_ran(r, strategy, world=r["report"]["sp_degree"])
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "ring"])

@@ -14,7 +14,15 @@ Time (per device, one step):
   exposed   comm not hidden behind compute. A transfer declared to overlap n steps
             runs beside 1/n of its phase's attention kernel time:
                 exposed = count * max(0, t_transfer - t_kernel / n)
-            every other transfer is exposed in full
+            A phase pipelined in k head groups (chunked Ulysses), with a = one group's
+            transfers (its inputs in and its output back) and K = the phase's kernel time:
+                exposed = a + (k - 1) * max(0, s_comm * a - K / k)
+            the first group's inputs and the last group's output wait in full; every other
+            group's moves beside one group's kernel. s_comm >= 1 is the profile's measured
+            slowdown of a collective while the device computes, and the kernels beside it
+            slow by s_compute: + (s_compute - 1) * min((k - 1) / k * K, (k - 1) * s_comm * a).
+            The gradient reduction of ZeRO stages 0/1 moves in buckets beside the backward
+            (:func:`_gradient_comm`). Every other transfer is exposed in full
   total     compute + exposed
 
 Memory (per device): model states (:func:`autosp.costmodel.memory.model_states`),
@@ -83,13 +91,24 @@ def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backw
 
 
 def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, t_bwd: float) -> tuple[float, float]:
-    """(communication, exposed communication) of one attention op's transfers."""
+    """(communication, exposed communication) of one attention op's transfers (see the module
+    docstring for the overlap formulas)."""
     comm = exposed = 0.0
+    group: dict[tuple[str, int], float] = {}           # (phase, k) -> one pipelined group's transfer time
     for tr in cost.transfers:
         t = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
+        if tr.pipeline:
+            comm += tr.pipeline * tr.count * t
+            group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * t
+            continue
         comm += tr.count * t
         exposed += tr.count * (max(0.0, t - kernel / tr.overlap_steps) if tr.overlap_steps else t)
+    s_comm, s_compute = profile.concurrency()
+    for (phase, k), a in group.items():
+        kernel = t_fwd if phase == "fwd" else t_bwd
+        exposed += a + (k - 1) * max(0.0, s_comm * a - kernel / k)
+        exposed += (s_compute - 1) * min((k - 1) / k * kernel, (k - 1) * s_comm * a)
     return comm, exposed
 
 
@@ -117,7 +136,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     costs: dict[AttentionShape, tuple[AttentionCost, float, float]] = {}
     p = Prediction(strategy=strat.spec, sp=sp, dp=dp, seq_len=S, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
                    total_s=0.0, memory={}, peak_bytes=0.0, model_flops=0.0, mfu=0.0, tokens_per_s=0.0)
-    workspace = 0.0
+    workspace = backward_s = 0.0
     for a, w in graph.weighted_nodes():
         if a.kind == OpKind.VIEW:
             continue
@@ -147,14 +166,17 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
             if a.layer is not None and a.phase == "fwd":
                 p.layer_forward_pointwise_s += w * (t + profile.op_overhead_s)
         p.compute_s += w * (t + profile.op_overhead_s)
+        if a.phase == "bwd":
+            backward_s += w * (t + profile.op_overhead_s)
         if a.layer is not None:
             p.layer_compute_s += w * (t + profile.op_overhead_s)
             if a.phase == "fwd":
                 p.layer_forward_s += w * (t + profile.op_overhead_s)
 
-    p.gradient_comm_s = _gradient_comm(graph, profile, sp * dp, zero_stage, reduce_grads or dp > 1)
+    p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
+                                                         reduce_grads or dp > 1, backward_s)
     p.comm_s = p.attention_comm_s + p.gradient_comm_s
-    p.exposed_comm_s = p.attention_exposed_s + p.gradient_comm_s
+    p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
     p.memory = _memory(graph, S, sp, dp, zero_stage, workspace)
     p.peak_bytes = p.memory["peak"]
     p.model_flops = graph.total_flops(S) / sp          # per device: its share of one sequence
@@ -165,17 +187,34 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     return p
 
 
-def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_stage: int, reduce: bool) -> float:
-    """Gradient reduction over the SP x DP group (and ZeRO 3's parameter gathers), exposed in full."""
+BUCKET_BYTES = 25 * 2 ** 20         # autosp's gradient buckets (autosp.compile(bucket_mb=25))
+
+
+def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_stage: int, reduce: bool,
+                   backward_s: float) -> tuple[float, float]:
+    """(communication, exposed) of the gradient reduction over the SP x DP group and ZeRO 3's
+    parameter gathers.
+
+    Stages 0 and 1 all-reduce buckets launched as each fills during the backward
+    (:mod:`autosp.transform.grad_reducer`): every bucket but the last moves beside the
+    backward compute still to run, t = all buckets, t_last = the last one's:
+        exposed = t_last + max(0, s_comm * (t - t_last) - backward_s)
+    Stages 2 and 3 shard with one FSDP unit (the root): its gathers and its reduce-scatter
+    run before the forward and after the backward, exposed in full.
+    """
     if group <= 1 or not reduce:
-        return 0.0
+        return 0.0, 0.0
     gbytes = graph.total_params * dtype_bytes(graph.dtype)
     big = group > profile.devices_per_node
     collective = "reduce_scatter" if zero_stage >= 2 else "all_reduce"
     t = profile.collective_time(collective, group, gbytes, big)
     if zero_stage == 3:       # parameters all-gathered for forward and again for backward
         t += 2 * profile.collective_time("all_gather", group, gbytes / group, big)
-    return t
+    if zero_stage >= 2:
+        return t, t
+    t_last = profile.collective_time(collective, group, min(gbytes, BUCKET_BYTES), big)
+    s_comm, _ = profile.concurrency()
+    return t, t_last + max(0.0, s_comm * (t - t_last) - backward_s)
 
 
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float) -> dict[str, float]:

@@ -135,6 +135,13 @@ class HardwareProfile:
             self._tables[key] = LogLogTable(pts, f"{self.name}:{key}")
         return self._tables[key](area) * target / h0 * head_dim / d0
 
+    def concurrency(self) -> tuple[float, float]:
+        """(collective slowdown, compute slowdown) while both run at once, as measured
+        (``autosp profile``); 1.0 each where the profile says nothing (published profiles:
+        the GPU's copy engines and network move data beside the SMs)."""
+        c = self.data.get("concurrency", {})
+        return float(c.get("comm_slowdown", 1.0)), float(c.get("compute_slowdown", 1.0))
+
     def peak_flops(self, dtype: str) -> float:
         """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
         efficiency."""

@@ -5,7 +5,9 @@
 Rank 0 times compute (matmul, attention forward/backward, a memory-bound op,
 the per-op floor) with one device per rank (on CPU: one core, one thread);
 every rank takes part in the collectives over the whole group and, when the
-world has 4+ ranks, over its first 2. Each point: warm-up, repeats, median;
+world has 4+ ranks, over its first 2, and in the concurrency measurement: how
+much an all-to-all and a matmul slow each other down when they run at once
+(what an overlapped schedule gets; see :func:`measure_concurrency`). Each point: warm-up, repeats, median;
 tables are made monotone when loaded. A time budget bounds the whole run
 (``--quick``: about 1 minute on a 2-core CPU).
 """
@@ -142,6 +144,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
                     dist.barrier()
                     if rank == 0 and rows:
                         collectives.setdefault(name, {"intra": {}, "inter": {}})["intra"][str(p)] = rows
+    concurrency = measure_concurrency(device, sync) if distributed else None
     if rank != 0:
         return {}
     doc = {
@@ -157,6 +160,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
         "compute": compute,
         "collectives": collectives,
     }
+    if concurrency:
+        doc["concurrency"] = concurrency
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     return doc
@@ -191,6 +196,60 @@ def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.devi
                 req.wait()
 
     return _timeit(lambda: (fn(), dist.barrier(group=pg)), repeats, sync)
+
+
+def measure_concurrency(device: torch.device, sync: Callable[[], None], repeats: int = 5,
+                        pieces: int = 16) -> dict[str, Any]:
+    """Slowdowns of a collective and of compute running at once, on every rank of the world.
+
+    Alone: a matmul loop (``pieces`` equal matmuls) and an all-to-all sized to take about as
+    long. Together: the all-to-all issued asynchronously, then the loop, checking after each
+    piece whether the transfer has finished (its finish time known to one piece). Returns
+    ``comm_slowdown`` (its time beside compute over alone) and ``compute_slowdown``, medians.
+    """
+    import statistics
+
+    n = 384 if device.type == "cpu" else 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def compute() -> None:
+        for _ in range(pieces):
+            a @ b
+        sync()
+
+    t_compute = _timeit(compute, repeats, sync)
+    # an all-to-all about as long as the loop: scale a 4 MiB one's time
+    x = torch.randn(1 << 20, device=device)
+    y = torch.empty_like(x)
+    t_small = _timeit(lambda: (dist.all_to_all_single(y, x), dist.barrier()), repeats, sync)
+    numel = int(min(1 << 26, max(1 << 16, (1 << 20) * t_compute / max(t_small, 1e-9)))) // 64 * 64
+    agreed = torch.tensor([numel], dtype=torch.int64, device=device)
+    dist.broadcast(agreed, src=0)                  # every rank sends the same size
+    numel = int(agreed.item())
+    x = torch.randn(numel, device=device)
+    y = torch.empty_like(x)
+    t_comm = _timeit(lambda: (dist.all_to_all_single(y, x), dist.barrier()), repeats, sync)
+    comm_ratio, compute_ratio = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(y, x, async_op=True)
+        done = None
+        for _ in range(pieces):
+            a @ b
+            sync()
+            if done is None and work.is_completed():
+                done = time.perf_counter() - t0
+        t_loop = time.perf_counter() - t0
+        work.wait()
+        done = done if done is not None else time.perf_counter() - t0
+        dist.barrier()
+        comm_ratio.append(done / t_comm)
+        compute_ratio.append(t_loop / t_compute)
+    return {"comm_slowdown": max(1.0, statistics.median(comm_ratio)),
+            "compute_slowdown": max(1.0, statistics.median(compute_ratio)),
+            "how": f"{pieces} x {n}^3 matmul ({t_compute * 1e3:.1f} ms alone) beside an all-to-all of "
+                   f"{numel * 4 >> 20} MiB ({t_comm * 1e3:.1f} ms alone), median of {repeats}"}
 
 
 def _device_name(cuda: bool) -> str:

@@ -72,9 +72,11 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")
     head.add_row("token layout", plan.layout)
     for layer in plan.layers:
+        overlap = layer.get("overlap", "none")
         head.add_row(f"{layer['class']} x{layer['count']}",
                      f"{layer['strategy']} (Ulysses {layer['ulysses_degree']} x ring {layer['ring_degree']}), "
-                     f"checkpoint {layer['checkpoint']}")
+                     f"checkpoint {layer['checkpoint']}, overlap {overlap}"
+                     + (f", exposed comm {layer['exposed_comm_s']:.3f} s" if "exposed_comm_s" in layer else ""))
     head.add_section()
     head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
                               f"{pr['exposed_comm_s']:.3f})")

@@ -34,7 +34,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      seq_len: int, sp_degrees: tuple[int, ...] | None = None,
                      checkpoints: tuple[str, ...] = CHECKPOINTS,
                      strategies: tuple[str, ...] | None = None,
-                     documents: tuple[int, ...] = ()) -> tuple[list[Candidate], dict]:
+                     documents: tuple[int, ...] = (), overlap: bool = True) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options; ``strategies`` restricts the strategy families."""
     nodes = graph.attention_nodes("fwd")
     if not nodes:
@@ -51,7 +51,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         for layout in PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1]:
             if seq_len % n_chunks(layout, sp):
                 continue
-            mesh = SPMesh(sp, layout, dpn)
+            mesh = SPMesh(sp, layout, dpn, overlap)
             strats = candidates(mesh, shape, strategies)
             if not strats:
                 continue
@@ -85,10 +85,12 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
          dtype: str = "bfloat16", graph: OpGraph | None = None, alternatives: int = 5,
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
-         strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None) -> Plan:
+         strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
+         overlap: bool = True) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
-    ``sp_degrees``, ``checkpoints`` and ``strategies`` (strategy families) restrict the space;
+    ``sp_degrees``, ``checkpoints`` and ``strategies`` (strategy families) restrict the space,
+    ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
     mask within each that the model builds from restarting position ids)."""
     if world_size < 1:
@@ -103,7 +105,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     t0 = time.perf_counter()
     cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
-                                    strategies, tuple(documents or ()))
+                                    strategies, tuple(documents or ()), overlap)
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
     ranked = solve_k_best(cands, limit, alternatives + 1) if cands else []
@@ -145,9 +147,12 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
     layers = []
     for fp, lc in g.layer_classes.items():
         st, k = sol.choice[fp]
-        u, r = resolve(st).grid(mesh)
+        strat = resolve(st)
+        u, r = strat.grid(mesh)
+        chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == (st, k))
         layers.append({"class": lc.module_type, "fingerprint": fp, "count": lc.count, "strategy": st,
-                       "checkpoint": k, "ulysses_degree": u, "ring_degree": r})
+                       "checkpoint": k, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
+                       "exposed_comm_s": chosen.exposed_s})
     states = model_states(g, world, zero_stage)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,

@@ -42,6 +42,7 @@ class SPMesh:
     degree: int
     layout: str = "contiguous"
     devices_per_node: int = 1 << 30        # the transform does not know the topology: one node
+    overlap: bool = True                   # strategies may pipeline collectives with compute
 
     @property
     def crosses_nodes(self) -> bool:
@@ -88,6 +89,8 @@ class Transfer:
     ``nbytes`` is the per-rank buffer (the profile's convention). ``overlap_steps = n > 0``
     says each transfer runs beside one n-th of the phase's attention kernel work, so only
     ``max(0, t - kernel / n)`` of it is exposed; ``0`` means it blocks (fully exposed).
+    ``pipeline = k > 0``: the transfer is one head group's of k, pipelined against the k
+    groups' kernels (see :func:`autosp.costmodel.predict.transfer_times`); ``count`` is per group.
     """
 
     collective: str            # all_to_all, all_gather, reduce_scatter, all_reduce, send_recv
@@ -97,6 +100,7 @@ class Transfer:
     count: int = 1
     inter: bool = False        # crosses nodes
     overlap_steps: int = 0
+    pipeline: int = 0
 
 
 @dataclass
@@ -151,6 +155,15 @@ class Strategy(ABC):
     def grid(self, mesh: SPMesh) -> tuple[int, int]:
         """(Ulysses degree, ring degree) of the 2-D SP grid this strategy uses."""
         return (1, mesh.degree)
+
+    @property
+    def overlap(self) -> str:
+        """How its collectives overlap its compute, in words, for reports."""
+        return "none"
+
+    def without_overlap(self) -> "Strategy":
+        """The same strategy with its collectives not pipelined (``autosp.compile(overlap=False)``)."""
+        return self
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Strategy) and other.spec == self.spec

@@ -8,6 +8,16 @@ traceable); the autograd rule says what the backward pass communicates:
   autosp::all_reduce_sum    sum over the group               identity (each rank keeps
                                                              the gradient of its own term)
   autosp::all_gather        concatenate shards along a dim   this rank's slice of the grad
+  autosp::all_to_all_issue  start an all-to-all; returns the  the inverse's completion
+                            receive buffer (not yet valid)
+  autosp::all_to_all_complete  wait for it; assemble           the inverse's start
+
+The issue/complete pair is how a strategy overlaps an all-to-all with compute: what
+runs between the two calls runs while the data moves. Their autograd rules swap the
+roles, so the backward overlaps the same way: the autograd engine runs the later
+node first, so a gradient's all-to-all starts in the complete's backward and is
+waited for in the issue's backward, with the work created in between (e.g. the
+previous head group's attention) running while it moves.
 
 The identity backward of ``all_reduce_sum`` is what makes SP gradients right:
 the loss every rank returns is the *global* loss, and each rank back-propagates
@@ -17,6 +27,7 @@ all-reduce over the SP group completes.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -24,16 +35,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-# Collectives issued by this process, by (group name, kind): [calls, bytes this rank sent].
-# Always on (one dict update per call, at run time only: fake kernels do not count); the
-# SP model's report() reads what one step issued.
-TALLY: defaultdict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+# Collectives issued by this process, by (group name, kind): [calls, bytes this rank sent,
+# seconds the calling thread was blocked waiting for them]. Always on (one dict update per
+# call, at run time only: fake kernels do not count); the SP model's report() reads what one
+# step issued. The blocked seconds are the communication compute waited on: exposed.
+TALLY: defaultdict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
 
 
 def tally(kind: str, group_name: str, *sent: Tensor) -> None:
     entry = TALLY[(group_name, kind)]
     entry[0] += 1
     entry[1] += sum(t.numel() * t.element_size() for t in sent)
+
+
+def blocked(kind: str, group_name: str, since: float) -> None:
+    """Count the time since ``since`` as spent waiting on a ``kind`` collective."""
+    TALLY[(group_name, kind)][2] += time.perf_counter() - since
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -57,7 +74,9 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) ->
     send = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()
     tally("all_to_all", group_name, send)
     recv = torch.empty_like(send)
+    t0 = time.perf_counter()
     dist.all_to_all_single(recv, send, group=pg)
+    blocked("all_to_all", group_name, t0)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
@@ -81,13 +100,84 @@ def _a2a_backward(ctx, grad: Tensor):
 all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 
+# ------------------------------------------------------------------ all_to_all, issue / complete
+
+# Receive buffers in flight, by data pointer: (the work to wait for, the send buffer it reads).
+# Keyed by pointer, not identity: a compiled graph may hand the buffer on as a new tensor object.
+_IN_FLIGHT: dict[int, tuple[object, Tensor]] = {}
+
+
+@torch.library.custom_op("autosp::all_to_all_issue", mutates_args=())
+def all_to_all_issue(x: Tensor, scatter_dim: int, group_name: str) -> Tensor:
+    """Start :func:`all_to_all`'s exchange of ``x``; returns the receive buffer ``[P, *chunk]``,
+    filled in the background: only :func:`all_to_all_complete` may read it."""
+    pg = resolve_group(group_name)
+    send = torch.stack(x.chunk(dist.get_world_size(pg), dim=scatter_dim)).contiguous()
+    tally("all_to_all", group_name, send)
+    recv = torch.empty_like(send)
+    _IN_FLIGHT[recv.data_ptr()] = (dist.all_to_all_single(recv, send, group=pg, async_op=True), send)
+    return recv
+
+
+@all_to_all_issue.register_fake
+def _(x: Tensor, scatter_dim: int, group_name: str) -> Tensor:
+    p = group_size(group_name)
+    chunk = list(x.shape)
+    chunk[scatter_dim] = chunk[scatter_dim] // p
+    return x.new_empty([p] + chunk)
+
+
+@torch.library.custom_op("autosp::all_to_all_complete", mutates_args=())
+def all_to_all_complete(recv: Tensor, gather_dim: int, group_name: str) -> Tensor:
+    """Wait for the exchange into ``recv`` (if still in flight) and concatenate what arrived
+    along ``gather_dim`` in rank order. A buffer already waited for (a recomputation under
+    activation checkpointing) is only assembled."""
+    pending = _IN_FLIGHT.pop(recv.data_ptr(), None)
+    if pending is not None:
+        t0 = time.perf_counter()
+        pending[0].wait()
+        blocked("all_to_all", group_name, t0)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+@all_to_all_complete.register_fake
+def _(recv: Tensor, gather_dim: int, group_name: str) -> Tensor:
+    shape = list(recv.shape[1:])
+    shape[gather_dim] = shape[gather_dim] * recv.shape[0]
+    return recv.new_empty(shape)
+
+
+def _issue_setup(ctx, inputs, output) -> None:
+    _, ctx.scatter_dim, ctx.group_name = inputs
+
+
+def _issue_backward(ctx, grad_recv: Tensor):
+    # the gradient's exchange was started by the complete's backward: finish it, back to x's layout
+    return all_to_all_complete(grad_recv.contiguous(), ctx.scatter_dim, ctx.group_name), None, None
+
+
+def _complete_setup(ctx, inputs, output) -> None:
+    _, ctx.gather_dim, ctx.group_name = inputs
+
+
+def _complete_backward(ctx, grad: Tensor):
+    # start the inverse exchange; the autograd engine runs other work before the issue's backward
+    return all_to_all_issue(grad.contiguous(), ctx.gather_dim, ctx.group_name), None, None
+
+
+all_to_all_issue.register_autograd(_issue_backward, setup_context=_issue_setup)
+all_to_all_complete.register_autograd(_complete_backward, setup_context=_complete_setup)
+
+
 # ------------------------------------------------------------------------------ all_reduce_sum
 
 @torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
     tally("all_reduce", group_name, x)
     out = x.clone()
+    t0 = time.perf_counter()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
+    blocked("all_reduce", group_name, t0)
     return out
 
 
@@ -114,7 +204,9 @@ def _gather(x: Tensor, dim: int, group_name: str) -> Tensor:
     pg = resolve_group(group_name)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
     tally("all_gather", group_name, x)
+    t0 = time.perf_counter()
     dist.all_gather(parts, x.contiguous(), group=pg)
+    blocked("all_gather", group_name, t0)
     return torch.cat(parts, dim=dim)
 
 
@@ -162,13 +254,16 @@ def reduce_scatter_sum(x: Tensor, dim: int, group_name: str) -> Tensor:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     n = x.shape[dim] // p
     tally("reduce_scatter", group_name, x)
+    t0 = time.perf_counter()
     if dist.get_backend(pg) == "nccl":
         parts = torch.stack(x.chunk(p, dim=dim)).contiguous()
         out = torch.empty_like(parts[0])
         dist.reduce_scatter_tensor(out, parts, group=pg)
+        blocked("reduce_scatter", group_name, t0)
         return out
     total = x.contiguous().clone()             # gloo has no reduce-scatter: all-reduce, keep ours
     dist.all_reduce(total, group=pg)
+    blocked("reduce_scatter", group_name, t0)
     return total.narrow(dim, r * n, n).contiguous()
 
 

@@ -8,25 +8,38 @@ all-to-alls (autograd of :func:`autosp.strategies.collectives.all_to_all`).
 KV heads: split like the query heads when P divides Hkv; repeated P/Hkv times
 when Hkv divides P (rank j then holds KV head ``j*Hkv/P``, the one its query
 heads read; autograd sums the copies' gradients); else expanded to H.
+
+Chunked (``ulysses:cK``, K head groups): the heads are cut into K groups that go
+through the all-to-alls and the kernel one after another, pipelined: group g+1's
+Q, K, V are in flight while group g attends, and group g's output travels back
+while group g+1 attends. The backward mirrors it (see the issue/complete ops in
+:mod:`autosp.strategies.collectives`). Exact for every K: each head's attention is
+the same kernel call on the same tokens; only when the bytes move changes. Needs
+K*P to divide the query heads and the (repeated) KV heads.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from autosp.errors import AutospError
 from autosp.strategies.base import AttentionCost, AttentionShape, KernelCall, SPMesh, Strategy, Transfer, register
-from autosp.strategies.collectives import all_to_all, resolve_group
+from autosp.strategies.collectives import all_to_all, all_to_all_complete, all_to_all_issue, resolve_group
 from autosp.strategies.layout import to_natural_order, to_rank_order
 
 
-def kv_repeat(n_heads: int, n_kv: int, world: int) -> int:
-    """How many times Ulysses repeats each KV head before its all-to-all."""
-    if n_kv % world == 0:
-        return 1
-    if world % n_kv == 0:
-        return world // n_kv
+def kv_repeat(n_heads: int, n_kv: int, world: int, chunks: int = 1) -> int:
+    """How many times Ulysses repeats each KV head before its all-to-all: the fewest copies
+    that ``chunks`` head groups x ``world`` ranks divide (each rank then holds the KV heads its
+    query heads read), at most one per query head."""
+    for r in range(1, n_heads // n_kv + 1):
+        if (n_kv * r) % (world * chunks) == 0 and n_heads % (n_kv * r) == 0:
+            return r
     return n_heads // n_kv
 
 
@@ -41,11 +54,13 @@ def heads_illegal(n_heads: int, n_kv: int, world: int, what: str = "SP degree") 
     return None
 
 
-def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter: bool) -> list[Transfer]:
-    """Q, K, V in and the output back, forward; their gradients, backward."""
-    q_bytes = shape.bytes(shape.heads, tokens)
-    kv_bytes = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, group), tokens)
-    return [Transfer("all_to_all", group, nbytes, phase, 2, inter)
+def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter: bool,
+                         chunks: int = 1) -> list[Transfer]:
+    """Q, K, V in and the output back, forward; their gradients, backward. In ``chunks`` head
+    groups: each group's share, pipelined against the groups' kernels (``pipeline``)."""
+    q_bytes = shape.bytes(shape.heads, tokens) / chunks
+    kv_bytes = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, group, chunks), tokens) / chunks
+    return [Transfer("all_to_all", group, nbytes, phase, 2, inter, pipeline=chunks if chunks > 1 else 0)
             for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
 
 
@@ -62,44 +77,117 @@ def heads_to_seq(out: Tensor, group_name: str) -> Tensor:
     return all_to_all(out.contiguous(), out.dim() - 2, out.dim() - 3, group_name)
 
 
-def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                      enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
-    pg = resolve_group(group_name)
-    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    n_heads = query.shape[-3]
-    q, k, v = seq_to_heads(query, key, value, group_name)
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, first_head: int, n_heads: int,
+                     world: int, layout: str, dropout_p: float, is_causal: bool, scale: float | None,
+                     enable_gqa: bool) -> Tensor:
+    """The unmodified kernel on heads ``first_head ..`` (of ``n_heads``) over all tokens."""
     reorder = layout != "contiguous" and (is_causal or attn_mask is not None)
     if reorder:          # all tokens arrived in rank order; the kernel's causal mask needs token order
         q, k, v = (to_natural_order(t, t.dim() - 2, layout, world) for t in (q, k, v))
     if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] == n_heads and n_heads > 1:
-        per = n_heads // world
-        attn_mask = attn_mask.narrow(-3, rank * per, per)
+        attn_mask = attn_mask.narrow(-3, first_head, q.shape[-3])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=bool(enable_gqa and q.shape[-3] != k.shape[-3]))
-    if reorder:
-        out = to_rank_order(out, out.dim() - 2, layout, world)
-    return heads_to_seq(out, group_name)
+    return to_rank_order(out, out.dim() - 2, layout, world) if reorder else out
+
+
+def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                      enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous",
+                      chunks: int = 1) -> Tensor:
+    pg = resolve_group(group_name)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    n_heads = query.shape[-3]
+    args = (world, layout, dropout_p, is_causal, scale, enable_gqa)
+    if chunks == 1:
+        q, k, v = seq_to_heads(query, key, value, group_name)
+        out = _local_attention(q, k, v, attn_mask, rank * (n_heads // world), n_heads, *args)
+        return heads_to_seq(out, group_name)
+    rep = kv_repeat(n_heads, key.shape[-3], world, chunks)
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    hd, sd = query.dim() - 3, query.dim() - 2
+    groups = [t.chunk(chunks, dim=hd) for t in (query, key, value)]
+    per_group = n_heads // chunks
+
+    def issue(g: int) -> list[Tensor]:
+        return [all_to_all_issue(t[g].contiguous(), hd, group_name) for t in groups]
+
+    in_flight, outs = issue(0), []
+    for g in range(chunks):
+        arrived = in_flight
+        if g + 1 < chunks:
+            in_flight = issue(g + 1)            # moves while group g attends
+        q, k, v = (all_to_all_complete(r, sd, group_name) for r in arrived)
+        out = _local_attention(q, k, v, attn_mask, g * per_group + rank * (per_group // world), n_heads, *args)
+        outs.append(all_to_all_issue(out.contiguous(), sd, group_name))   # moves while group g+1 attends
+    return torch.cat([all_to_all_complete(r, hd, group_name) for r in outs], dim=hd)
+
+
+CHUNK_CHOICES = (1, 2, 4, 8)      # head groups the planner may pipeline Ulysses in
 
 
 @register
 class Ulysses(Strategy):
     family = "ulysses"
+    example = "ulysses[:cK]"
     auto_rank = 0
     attention_fn = staticmethod(ulysses_attention)
 
+    def __init__(self, chunks: int = 1):
+        self.chunks = chunks
+
+    @property
+    def spec(self) -> str:
+        return self.family if self.chunks == 1 else f"{self.family}:c{self.chunks}"
+
+    @classmethod
+    def parse(cls, spec: str) -> Strategy:
+        if spec == cls.family:
+            return cls()
+        tail = spec.split(":", 1)[1] if ":" in spec else ""
+        if not (tail[:1].lower() == "c" and tail[1:].isdigit() and int(tail[1:]) >= 1):
+            raise AutospError(f"bad strategy '{spec}'; write 'ulysses', or 'ulysses:cK' for K head groups "
+                              f"pipelined (e.g. ulysses:c4)")
+        return cls(int(tail[1:]))
+
+    @classmethod
+    def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list[Strategy]:
+        if mesh.degree <= 1:
+            return []
+        return [cls(k) for k in (CHUNK_CHOICES if mesh.overlap else (1,))]
+
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
-        return heads_illegal(shape.heads, shape.kv_heads, mesh.degree)
+        reason = heads_illegal(shape.heads, shape.kv_heads, mesh.degree)
+        if reason or self.chunks == 1:
+            return reason
+        k, p = self.chunks, mesh.degree
+        if shape.heads % (k * p):
+            return (f"has {shape.heads} query heads, which {k} head groups x SP degree {p} do not divide; use "
+                    f"fewer groups (ulysses:cK with K x {p} dividing {shape.heads}) or plain 'ulysses'")
+        return None
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
-        p = mesh.degree
+        p, k = mesh.degree, self.chunks
         s_loc = shape.seq_len / p
         return AttentionCost(
             # an explicit mask (a window, padding) makes the fused kernel compute every block
-            kernels=[[KernelCall(shape.batch * shape.heads / p, shape.seq_len, shape.seq_len, shape.head_dim,
-                                 shape.causal and not shape.masked)]],
-            transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes),
-            workspace_bytes=2 * shape.bytes(shape.heads, s_loc))          # all-to-all send and receive
+            kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
+                                 shape.causal and not shape.masked, k)]],
+            transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes, k),
+            # send and receive buffers: every group's input at once (all are issued before the
+            # first completes only for k = 1; pipelined, two groups' worth plus the outputs)
+            workspace_bytes=2 * shape.bytes(shape.heads, s_loc) * (1 if k == 1 else min(1.0, 3 / k)))
+
+    def setup(self, group: Any) -> dict[str, Any]:
+        return {"group_name": group.group_name, "chunks": self.chunks}
 
     def grid(self, mesh: SPMesh) -> tuple[int, int]:
         return (mesh.degree, 1)
+
+    @property
+    def overlap(self) -> str:
+        return "none" if self.chunks == 1 else f"{self.chunks} head groups pipelined"
+
+    def without_overlap(self) -> Strategy:
+        return Ulysses()

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autosp.errors import AutospError
-from autosp.strategies import check_spec
+from autosp.strategies import AUTO, check_spec, resolve
 from autosp.transform.backend import SPConfig, check_compiler
 from autosp.transform.checkpointing import check_modes
 from autosp.transform.grad_reducer import GradReducer
@@ -37,7 +37,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
             checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mesh: DeviceMesh | None = None,
-            zero_stage: int | None = None, bucket_mb: float = 25.0) -> nn.Module:
+            zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -79,6 +79,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     buckets of ``bucket_mb`` MiB launched asynchronously during the backward
     (:mod:`autosp.transform.grad_reducer`); ``1``: the same, and ``sp.optimizer(cls, **kw)`` shards
     the optimizer states over the mesh.
+    ``overlap``: strategies may pipeline their collectives with compute (``ulysses:cK``: K head
+    groups, each group's all-to-alls moving while another group attends), as planned; ``False``
+    runs every strategy unpipelined (its plain form), for comparison and debugging.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree (the mesh: DP across), ZeRO stage (unless ``zero_stage`` is given), token layout,
     per-layer strategies and checkpointing are applied; a plan made for another world size,
@@ -99,6 +102,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         check_spec(st)
+    if not overlap:
+        strategies = [st if st == AUTO else resolve(st).without_overlap().spec for st in strategies]
+        strategy = strategies[0] if isinstance(strategy, str) else strategies
     compiler = check_compiler(compiler)
     check_zero_stage(zero_stage)
     if zero_stage is not None and not reduce_grads:

@@ -4,8 +4,9 @@ Per attention op (as compiled): the strategy that runs it, the token layout, the
 heads it sees and the 2-D grid (Ulysses x ring) it uses, the heads and tokens each
 rank holds inside attention and outside it, and the checkpointing of its layer. Per
 step (since the last forward began): the collectives issued on the model's groups,
-by kind, with the bytes this rank sent (counted at run time, see
-:data:`autosp.strategies.collectives.TALLY`), and the padding added to the batch.
+by kind, with the bytes this rank sent and the seconds its compute waited on them
+(counted at run time, see :data:`autosp.strategies.collectives.TALLY`), and the
+padding added to the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class AttentionRow:
     heads_per_rank: int            # inside attention
     tokens_per_rank: int           # outside attention (and queries inside, for ring-like strategies)
     checkpoint: str
+    overlap: str = "none"          # how its collectives overlap its compute (the strategy says)
 
 
 @dataclass
@@ -38,7 +40,8 @@ class SPReport:
     zero_stage: int | None = None  # None: gradients summed over the SP group inside the graphs
     grad_buckets: int = 0          # buckets autosp's gradient reduction all-reduces (zero_stage 0, 1)
     attention: list[AttentionRow] = field(default_factory=list)
-    collectives: dict[str, dict[str, int]] = field(default_factory=dict)   # kind -> calls, bytes
+    # kind -> calls, bytes sent, seconds this rank's compute waited on them (exposed)
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     # causal-within-document query-key pairs each rank's tokens carry (the layout's balance)
     work_per_rank: list[float] = field(default_factory=list)
 
@@ -60,15 +63,16 @@ class SPReport:
                         f"{self.padded_len}), {self.compiled_graphs} compiled graphs, attention work busiest / "
                         f"mean rank {self.work_balance:.2f}")
         for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
-                    "tokens per rank", "checkpoint"):
+                    "tokens per rank", "checkpoint", "overlap"):
             t.add_column(col, justify="right")
         for r in self.attention:
             t.add_row(str(r.index), r.strategy, r.layout, f"{r.heads} / {r.kv_heads}",
                       f"{r.ulysses_degree} x {r.ring_degree}", str(r.heads_per_rank), str(r.tokens_per_rank),
-                      r.checkpoint)
+                      r.checkpoint, r.overlap)
         t.add_section()
         for kind, c in sorted(self.collectives.items()):
-            t.add_row(kind, f"{c['calls']} calls", f"{c['bytes'] / 2**20:.2f} MiB sent", "", "", "", "", "")
+            t.add_row(kind, f"{c['calls']} calls", f"{c['bytes'] / 2**20:.2f} MiB sent",
+                      f"{c.get('blocked_s', 0.0) * 1e3:.1f} ms waited", "", "", "", "", "")
         return t
 
     def __str__(self) -> str:

@@ -115,21 +115,24 @@ class SequenceParallel(nn.Module):
         modes = self.config.checkpoint
         rows = []
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
-            u, r = resolve(spec).grid(mesh)
+            strat = resolve(spec)
+            u, r = strat.grid(mesh)
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
                 ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
-                checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"))
+                checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none",
+                overlap=strat.overlap))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
-        counts: dict[str, dict[str, int]] = {}
-        for (group, kind), (calls, sent) in TALLY.items():
-            before = step["tally"].get((group, kind), (0, 0))
+        counts: dict[str, dict[str, float]] = {}
+        for (group, kind), (calls, sent, waited) in TALLY.items():
+            before = step["tally"].get((group, kind), (0, 0, 0.0))
             if group in groups and calls > before[0]:
-                c = counts.setdefault(kind, {"calls": 0, "bytes": 0})
+                c = counts.setdefault(kind, {"calls": 0, "bytes": 0, "blocked_s": 0.0})
                 c["calls"] += calls - before[0]
                 c["bytes"] += sent - before[1]
+                c["blocked_s"] += waited - before[2]
         return SPReport(sp_degree=self.sp_degree, dp_degree=self.mesh.dp_degree if self.mesh else 1,
                         zero_stage=self.zero_stage,
                         grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
