@@ -16,9 +16,8 @@ all configurations must agree (the same model and batch), checked before printin
 from __future__ import annotations
 
 import argparse
-import time
 
-from autosp.tools.launch import spawn_gloo
+from autosp.tools.launch import interleaved_times, spawn_gloo
 
 
 def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
@@ -35,18 +34,15 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
 
     torch.set_num_threads(1)
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    models, times, waited, losses, calls = {}, {s: [] for s in specs}, {s: [] for s in specs}, {}, {}
+    models, waited, losses, calls = {}, {s: [] for s in specs}, {}, {}
     for spec in specs:
         torch._dynamo.reset()
         models[spec] = autosp.compile(tiny_model(), strategy=spec)
 
     def step(spec: str) -> None:
         sp = models[spec]
-        dist.barrier()
-        t0 = time.perf_counter()
         loss = sp(input_ids=ids, labels=ids).loss
         loss.backward()
-        times[spec].append(time.perf_counter() - t0)
         for p in sp.parameters():
             p.grad = None
         losses[spec] = loss.item()
@@ -55,15 +51,8 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
                                 if kind not in ("all_reduce", "grad_all_reduce")))
         calls[spec] = issued.get("all_to_all", {}).get("calls", 0)
 
-    for spec in specs:                                 # compile and warm up
-        step(spec)
-        step(spec)
-    for spec in specs:
-        times[spec].clear()
-        waited[spec].clear()
-    for _ in range(repeats):
-        for spec in specs:
-            step(spec)
+    times = interleaved_times(specs, step, repeats, dist.barrier)
+    waited = {spec: w[-repeats:] for spec, w in waited.items()}     # the timed steps'
     return [dict(spec=spec, time=statistics.median(times[spec]), exposed=statistics.median(waited[spec]),
                  loss=losses[spec], calls=calls[spec])
             for spec in specs]

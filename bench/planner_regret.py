@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from autosp.tools.launch import spawn_gloo
+from autosp.tools.launch import interleaved_times, spawn_gloo
 
 #        ranks, seq,  heads, kv, hidden
 GRID = [(2, 2048, 2, 1, 256), (2, 2048, 8, 4, 256), (2, 2048, 3, 1, 192), (2, 4096, 8, 8, 256),
@@ -61,28 +60,19 @@ def measure(cases: list[tuple], repeats: int) -> list[dict]:
     rows = []
     for (seq, heads, kv, hidden, specs) in cases:
         ids = torch.randint(0, 2048, (1, seq), generator=torch.Generator().manual_seed(0))
-        models, times = {}, {s: [] for s in specs}
+        models = {}
         for spec in specs:
             torch._dynamo.reset()
             torch.manual_seed(0)
             models[spec] = autosp.compile(transformers.AutoModelForCausalLM.from_config(config(heads, kv, hidden)),
                                           strategy=spec)
 
-        def step(spec: str) -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = models[spec](input_ids=ids, labels=ids).loss
-            loss.backward()
+        def step(spec: str) -> None:
+            models[spec](input_ids=ids, labels=ids).loss.backward()
             for p in models[spec].parameters():
                 p.grad = None
-            return time.perf_counter() - t0
 
-        for spec in specs:
-            step(spec)
-            step(spec)
-        for _ in range(repeats):
-            for spec in specs:
-                times[spec].append(step(spec))
+        times = interleaved_times(specs, step, repeats, dist.barrier)
         rows.append({"seq": seq, "heads": heads, "kv": kv, "hidden": hidden,
                      "times": {s: statistics.median(t) for s, t in times.items()}})
         del models

@@ -53,6 +53,14 @@ def blocked(kind: str, group_name: str, since: float) -> None:
     TALLY[(group_name, kind)][2] += time.perf_counter() - since
 
 
+def wait_all(works: list, kind: str, group_name: str) -> None:
+    """Wait for asynchronous ``works`` of a ``kind`` collective, counting the time blocked."""
+    t0 = time.perf_counter()
+    for work in works:
+        work.wait()
+    blocked(kind, group_name, t0)
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -134,9 +142,7 @@ def all_to_all_complete(recv: Tensor, gather_dim: int, group_name: str) -> Tenso
     activation checkpointing) is only assembled."""
     pending = _IN_FLIGHT.pop(recv.data_ptr(), None)
     if pending is not None:
-        t0 = time.perf_counter()
-        pending[0].wait()
-        blocked("all_to_all", group_name, t0)
+        wait_all([pending[0]], "all_to_all", group_name)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 

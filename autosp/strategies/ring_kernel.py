@@ -15,15 +15,13 @@ Per-rank memory: the local queries, two K/V blocks and one dK/dV accumulator:
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from autosp.strategies.blockwise import (acc_dtype, attend_backward, attend_forward, new_accumulator,
                                         register_blockwise)
-from autosp.strategies.collectives import blocked, resolve_group, tally
+from autosp.strategies.collectives import resolve_group, tally, wait_all
 
 
 def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
@@ -35,13 +33,6 @@ def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, pg) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, prv, pg) for t in recv]
     return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(reqs: list, pg: dist.ProcessGroup) -> None:
-    t0 = time.perf_counter()
-    for req in reqs:
-        req.wait()
-    blocked("send_recv", pg.group_name, t0)
 
 
 def _chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
@@ -61,7 +52,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, all_chunk
             nxt, reqs = _exchange(pg, cur)
         attend_forward(q, cur[0], cur[1], q_chunks, _chunks_of(all_chunks, src, p), causal, scale, acc, mask)
         if step < p - 1:
-            _wait(reqs, pg)
+            wait_all(reqs, "send_recv", pg.group_name)
             cur = nxt
     return acc[0].to(q.dtype), acc[1]
 
@@ -99,9 +90,9 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                         causal, scale, dq, dkv[0], dkv[1], mask)
         # The accumulator follows its block; after P hops it is home with every contribution.
         dkv, dreqs = _exchange(pg, dkv)
-        _wait(dreqs, pg)
+        wait_all(dreqs, "send_recv", pg.group_name)
         if step < p - 1:
-            _wait(reqs, pg)
+            wait_all(reqs, "send_recv", pg.group_name)
             cur = nxt
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 

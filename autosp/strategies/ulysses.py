@@ -15,7 +15,7 @@ Q, K, V are in flight while group g attends, and group g's output travels back
 while group g+1 attends. The backward mirrors it (see the issue/complete ops in
 :mod:`autosp.strategies.collectives`). Exact for every K: each head's attention is
 the same kernel call on the same tokens; only when the bytes move changes. Needs
-K*P to divide the query heads and the (repeated) KV heads.
+K*P to divide the query heads; KV heads are repeated until each group has its own.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ class Ulysses(Strategy):
             kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
                                  shape.causal and not shape.masked, k)]],
             transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes, k),
-            # send and receive buffers: every group's input at once (all are issued before the
-            # first completes only for k = 1; pipelined, two groups' worth plus the outputs)
+            # send and receive buffers: all of Q, K, V, O at once unpipelined; pipelined, about
+            # three groups' worth (the group attending, the next one's inputs, the last output)
             workspace_bytes=2 * shape.bytes(shape.heads, s_loc) * (1 if k == 1 else min(1.0, 3 / k)))
 
     def setup(self, group: Any) -> dict[str, Any]:

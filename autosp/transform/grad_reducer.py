@@ -27,7 +27,6 @@ onto an already reduced gradient is refused, since it would be summed twice.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from typing import Iterator
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autosp.errors import AutospError
-from autosp.strategies.collectives import blocked, tally
+from autosp.strategies.collectives import tally, wait_all
 
 
 class _Bucket:
@@ -126,9 +125,7 @@ class GradReducer:
             self._next += 1
         self._next = 0
         for bucket in self.buckets:
-            t0 = time.perf_counter()
-            bucket.work.wait()
-            blocked("grad_all_reduce", self.group.group_name, t0)
+            wait_all([bucket.work], "grad_all_reduce", self.group.group_name)
             offset = 0
             for p in bucket.params:
                 n = p.numel()
