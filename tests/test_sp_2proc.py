@@ -77,7 +77,7 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
 @pytest.mark.parametrize("strategy,compiler,cfg", [
     ("ulysses:c2", "eager", dict(heads=4, kv=2)),       # KV heads repeated so that each group has its own
     ("ulysses:c4", "eager", dict(heads=8, kv=8)),
-    ("ulysses:c2", "inductor", dict(heads=8, kv=4))])          # Inductor keeps the issue/complete order
+    ("ulysses:c2", "aot_eager", dict(heads=8, kv=4))])
 def test_ulysses_in_pipelined_head_groups_is_exact(pool, strategy, compiler, cfg):
     # Each head group's all-to-alls are issued before the previous group's attention and waited
     # for after it (forward and backward): the same kernel calls, the bytes moved in K pieces.
