@@ -168,7 +168,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
                   inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
-                  loss_chunks: int = 1, overlap: bool = True, **cfg: Any) -> dict[str, Any]:
+                  loss_chunks: int = 1, mlp_chunks: int = 1, overlap: bool = True, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""
     ref = build(kind, **cfg)
     sp_model = copy.deepcopy(ref)
@@ -179,6 +179,8 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
         kw["layout"] = layout
     if loss_chunks != 1:
         kw["loss_chunks"] = loss_chunks
+    if mlp_chunks != 1:
+        kw["mlp_chunks"] = mlp_chunks
     if not overlap:
         kw["overlap"] = False
     if memory_limit is not None:
@@ -223,6 +225,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]
     out["token_statistics"] = sum(r.token_statistics for r in sp.state.reports)
     out["tiled_losses"] = sum(r.tiled_losses for r in sp.state.reports)
+    out["tiled_mlps"] = sum(r.tiled_mlps for r in sp.state.reports)
     out["graph_reports"] = [(r.attention, r.token_statistics, r.replicated_params, r.starts_at[-70:])
                             for r in sp.state.reports]
     out["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
@@ -290,6 +293,30 @@ def loss_tiling_memory(seq_len: int = 1024, vocab: int = 8192) -> dict[str, Any]
         loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
         out[chunks] = {"peak": peak, "loss_err": abs(loss.item() - single) / single,
                        "tiled": sum(r.tiled_losses for r in sp.state.reports)}
+    return out
+
+
+def mlp_tiling_memory(seq_len: int = 1024, compiler: str = "eager") -> dict[str, Any]:
+    """Per-rank step peak (allocator's view) of a Llama with a wide MLP, whole and in 8 token
+    chunks, under ``compiler``; the losses against one process."""
+    import transformers
+
+    from autosp.tools.memory_probe import step_peak
+
+    out: dict[str, Any] = {}
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    single = ref(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    for chunks in (1, 8):
+        torch._dynamo.reset()
+        sp = autosp.compile(copy.deepcopy(ref), strategy="ulysses", mlp_chunks=chunks, compiler=compiler)
+        sp(input_ids=ids, labels=ids).loss.backward()                      # compile outside the probe
+        loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
+        out[chunks] = {"peak": peak, "loss_err": abs(loss.item() - single) / single,
+                       "tiled": sum(r.tiled_mlps for r in sp.state.reports)}
     return out
 
 

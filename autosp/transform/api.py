@@ -36,7 +36,7 @@ __all__ = ["SequenceParallel", "compile"]
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
-            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mesh: DeviceMesh | None = None,
+            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mlp_chunks: int = 1, mesh: DeviceMesh | None = None,
             zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
@@ -71,6 +71,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     ``loss_chunks``: > 1 runs the LM head and the cross-entropy over that many chunks of this
     rank's tokens (forward and backward), so the full-vocabulary logits never exist; the
     model's logits output is then empty (:mod:`autosp.transform.tiled_loss`).
+    ``mlp_chunks``: > 1 runs every layer's MLP over that many chunks of this rank's tokens,
+    recomputing each chunk's intermediates in its backward, so the ``tokens x intermediate``
+    activations exist for one chunk at a time (:mod:`autosp.transform.tiled_mlp`).
     ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "sp")`` (or 1-D: SP only); SP runs inside
     each ``"sp"`` row, data parallelism across rows (each row passes its own batch).
     ``zero_stage``: ``None`` (default): gradients are summed over the SP group inside the graphs and
@@ -112,8 +115,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
                           "(the caller reduces them) contradicts it: pass one of the two")
     if mesh is not None and (sp_size is not None or group is not None):
         raise AutospError("give a mesh, or sp_size / group, not both (the mesh's 'sp' dimension is the SP group)")
-    if not isinstance(loss_chunks, int) or loss_chunks < 1:
-        raise AutospError(f"loss_chunks must be a positive integer, got {loss_chunks!r}")
+    for name, k in (("loss_chunks", loss_chunks), ("mlp_chunks", mlp_chunks)):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise AutospError(f"{name} must be a positive integer (1 = untiled), got {k!r}")
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     check_modes(checkpoint)
     layout = layout_for(strategies, layout)
@@ -144,7 +148,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         shard_parameters(model, the_mesh, zero_stage)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
-                      loss_chunks=loss_chunks, layer_paths=layer_paths(model),
+                      loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, layer_paths=layer_paths(model),
                       loss_group=the_mesh.whole if reduced_by_us or not reduce_grads else group)
     set_up(config, strategies)
     sp = SequenceParallel(model, config)

@@ -21,6 +21,7 @@ from autosp.errors import AutospError
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
+from autosp.transform.tiled_mlp import tile_mlps
 
 
 @dataclass
@@ -85,6 +86,7 @@ class SPConfig:
     checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
     loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
+    mlp_chunks: int = 1                 # >1: every layer's MLP over this many token chunks (tiled_mlp.py)
     loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
 
 
@@ -142,12 +144,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str) 
     return lookup_backend(compiler)(gm, example_inputs)
 
 
-def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
+def _mode_of(config: SPConfig) -> Callable[[int], str]:
     modes = config.checkpoint
+    return lambda layer: modes if isinstance(modes, str) else modes[layer]
 
-    def mode_of(layer: int) -> str:
-        return modes if isinstance(modes, str) else modes[layer]
 
+def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
+    mode_of = _mode_of(config)
     if config.compiler != "eager":          # AOTAutograd's partitioner reads the tags
         tag_for_recompute(gm, config.layer_paths, mode_of)
         return gm
@@ -173,7 +176,11 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
                 ctx.seq_len = 0
         report = shard_graph(gm, example_inputs, ctx)
         if config.loss_chunks > 1 and report.attention:
-            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name)
+            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name,
+                                                 aot=config.compiler != "eager")
+        if config.mlp_chunks > 1 and report.attention:
+            report.tiled_mlps = tile_mlps(gm, config.mlp_chunks, config.layer_paths, aot=config.compiler != "eager",
+                                          mode_of=_mode_of(config))
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:

@@ -85,11 +85,20 @@ def tag_for_recompute(gm: fx.GraphModule, layer_paths: list[str], mode_of: Calla
     ``selective``: the outputs of matmuls, attention and autosp's collectives are saved, the rest
     recomputed."""
     tagged = 0
-    for n, p in _partitions(gm, layer_paths).items():
+    part = _partitions(gm, layer_paths)
+    for n, p in part.items():
         mode = mode_of(p // 2) if p % 2 else "none"
-        if mode == "none" or n.op != "call_function":
-            continue
+        # call_method nodes too: a ``.transpose()`` or ``.reshape()`` left untagged would be where
+        # the partitioner cuts, saving the projections it feeds instead of the layer's input.
+        if mode == "none" or n.op not in ("call_function", "call_method") or "recompute" in n.meta:
+            continue                # (already tagged: a tiled chunk, see tiled_mlp.py)
         if _random(n.target):       # a recomputed draw would need the RNG state replayed: kept instead
+            policy = CheckpointPolicy.MUST_SAVE
+        elif mode == "full" and any(part.get(u, p) != p for u in n.users):
+            # The layer's output (read by the next layer, the final norm, the head): kept, as
+            # torch.utils.checkpoint keeps the output of the region it wraps. Recomputed, it
+            # would drag the whole layer's forward (and its activations) into the backward of
+            # whatever reads it first.
             policy = CheckpointPolicy.MUST_SAVE
         elif mode == "full":
             policy = CheckpointPolicy.MUST_RECOMPUTE

@@ -121,6 +121,7 @@ class ShardReport:
     global_reductions: int = 0
     token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
+    tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0
@@ -257,6 +258,8 @@ class Sharder:
                 raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
             else:
                 self._visit(n)
+        for n, dims in self.place.items():     # read by later passes (tiled_mlp.py): which dims are tokens
+            n.meta["autosp_seq"] = dims
         self.graph.lint()
         self.gm.recompile()
         return self.report

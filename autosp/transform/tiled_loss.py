@@ -13,21 +13,25 @@ changes. The model's logits output becomes an empty tensor: the logits are what 
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from autosp.strategies.collectives import all_reduce_sum
 from autosp.transform.loss import sharded_cross_entropy
+from autosp.transform.tiled_mlp import token_split
 
 _LINEAR = {torch._C._nn.linear, F.linear}
 # What may stand between the head and the loss: views and dtype casts, nothing that computes.
 _PASS_METHODS = {"view", "reshape", "float", "to", "contiguous"}
 _PASS_FUNCTIONS = {torch.reshape, torch.flatten}
+# Checkpoint ids of the chunks under AOTAutograd: apart from the layers' (their indices).
+_CHUNK_ID_BASE = 1 << 24
 
 
 def _chunk_loss(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, upcast: bool, ignore_index: int,
@@ -43,16 +47,45 @@ def chunked_head_loss(h: Tensor, weight: Tensor, bias: Tensor | None, target: Te
                       group_name: str, ignore_index: int = -100, reduction: str = "mean",
                       label_smoothing: float = 0.0) -> Tensor:
     """The global cross-entropy of ``linear(h, weight, bias)`` against ``target`` (this rank's
-    tokens), with the logits made ``chunks`` tokens-slices at a time."""
-    h2, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
-    local = sum(checkpoint(_chunk_loss, hc, weight, bias, tc, upcast, ignore_index, label_smoothing,
-                           use_reentrant=False)
-                for hc, tc in zip(h2.chunk(chunks), t.chunk(chunks)))
-    total = all_reduce_sum(local, group_name)
+    tokens), with the logits made ``chunks`` tokens-slices at a time (eagerly: each chunk
+    under ``torch.utils.checkpoint``)."""
+    parts = [checkpoint(_chunk_loss, hc, weight, bias, tc, upcast, ignore_index, label_smoothing, use_reentrant=False)
+             for hc, tc in zip(token_chunks(h, chunks), token_chunks(target, chunks))]
+    return global_loss(parts, target, group_name=group_name, ignore_index=ignore_index, reduction=reduction)
+
+
+def token_chunks(x: Tensor, chunks: int) -> tuple[Tensor, ...]:
+    """``x``'s tokens (all dims but the last of a hidden state, all of a target) in ``chunks`` slices."""
+    flat = x.reshape(-1, x.shape[-1]) if x.is_floating_point() else x.reshape(-1)
+    return token_split(flat, chunks, 0)
+
+
+def global_loss(parts: list[Tensor], target: Tensor, *, group_name: str, ignore_index: int = -100,
+                reduction: str = "mean") -> Tensor:
+    """The chunks' loss sums made global over the group: their sum, or the token-weighted mean."""
+    total = all_reduce_sum(sum(parts), group_name)
     if reduction == "sum":
         return total
-    count = (t != ignore_index).sum().to(total.dtype)
+    count = (target.reshape(-1) != ignore_index).sum().to(total.dtype)
     return total / all_reduce_sum(count.detach(), group_name)
+
+
+def _chunked_nodes(graph: fx.Graph, h: fx.Node, weight: Any, bias: Any, target: Any, chunks: int, upcast: bool,
+                   ignore_index: int, label_smoothing: float, group_name: str, reduction: str) -> fx.Node:
+    """The tiled loss as graph nodes, for AOTAutograd: each chunk's head and loss one call tagged
+    ``MUST_RECOMPUTE`` with its own checkpoint id, so the partitioner saves the chunk's input
+    only and recomputes its logits right before the chunk's backward."""
+    hs = graph.call_function(token_chunks, (h, chunks))
+    ts = graph.call_function(token_chunks, (target, chunks))
+    parts = []
+    for c in range(chunks):
+        hc, tc = graph.call_function(operator.getitem, (hs, c)), graph.call_function(operator.getitem, (ts, c))
+        part = graph.call_function(_chunk_loss, (hc, weight, bias, tc, upcast, ignore_index, label_smoothing))
+        part.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        part.meta["ac_graph_id"] = _CHUNK_ID_BASE + c
+        parts.append(part)
+    return graph.call_function(global_loss, (parts, target), {"group_name": group_name, "ignore_index": ignore_index,
+                                                             "reduction": reduction})
 
 
 def _head_of(x: Any) -> tuple[fx.Node | None, list[fx.Node], bool]:
@@ -73,8 +106,9 @@ def _head_of(x: Any) -> tuple[fx.Node | None, list[fx.Node], bool]:
     return None, chain, upcast
 
 
-def tile_head_loss(gm: fx.GraphModule, chunks: int, group_name: str) -> int:
-    """Rewrite every (LM head, global cross-entropy) pair of ``gm``; returns how many were tiled."""
+def tile_head_loss(gm: fx.GraphModule, chunks: int, group_name: str, aot: bool = False) -> int:
+    """Rewrite every (LM head, global cross-entropy) pair of ``gm``; returns how many were tiled.
+    ``aot``: as tagged graph nodes for AOTAutograd's partitioner (else one checkpointed call)."""
     tiled = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not sharded_cross_entropy:
@@ -90,11 +124,15 @@ def tile_head_loss(gm: fx.GraphModule, chunks: int, group_name: str) -> int:
         h, weight = head.args[0], head.args[1]
         bias = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
         target = n.args[1] if len(n.args) > 1 else n.kwargs["target"]
+        ignore_index, smoothing = n.kwargs.get("ignore_index", -100), n.kwargs.get("label_smoothing", 0.0)
         with gm.graph.inserting_before(n):
-            loss = gm.graph.call_function(chunked_head_loss, (h, weight, bias, target), {
-                "chunks": chunks, "upcast": upcast, "group_name": group_name,
-                "ignore_index": n.kwargs.get("ignore_index", -100), "reduction": reduction,
-                "label_smoothing": n.kwargs.get("label_smoothing", 0.0)})
+            if aot:
+                loss = _chunked_nodes(gm.graph, h, weight, bias, target, chunks, upcast, ignore_index, smoothing,
+                                      group_name, reduction)
+            else:
+                loss = gm.graph.call_function(chunked_head_loss, (h, weight, bias, target), {
+                    "chunks": chunks, "upcast": upcast, "group_name": group_name, "ignore_index": ignore_index,
+                    "reduction": reduction, "label_smoothing": smoothing})
         loss.meta = {k: v for k, v in n.meta.items() if k != "nn_module_stack"}
         n.replace_all_uses_with(loss)
         gm.graph.erase_node(n)
