@@ -1,7 +1,7 @@
 """autosp against DeepSpeed AutoSP, side by side on the same CPU run.
 
     MALLOC_MMAP_THRESHOLD_=65536 python bench/vs_deepspeed_autosp.py [--seq-lens 4096,16384] [--repeats 3]
-        [--cap-mb 150]
+        [--cap-mb 250 --cap-step 4096] [--systems "DeepSpeed AutoSP" "autosp, Inductor, ..."]
 
 Same tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, vocabulary 1000, fp32, random
 weights from one seed), batch 1, 2 gloo ranks with one thread each, a full AdamW training step
@@ -17,10 +17,12 @@ with the ``autosp`` pass, a mask-free causal SDPA registered with transformers s
 pass finds the attention, labels pre-shifted, ``prepare_autosp_inputs`` on each batch,
 ``engine.backward(loss * SP)``). autosp runs as a user would: ``autosp.compile(model)``
 with Ulysses (eager graphs, the default), through Inductor, and through Inductor with its
-memory-saving decisions (selective or full checkpointing, the LM head and loss in 8 chunks).
+memory-saving decisions (selective or full checkpointing, the LM head and loss in 8 chunks,
+each layer's MLP in 8 chunks).
 
-``--cap-mb``: also the longest sequence each trains under that per-rank step-memory cap,
-doubling the length from 4096 while the measured peak stays under the cap.
+``--cap-mb``: also the longest sequence each trains under that per-rank step-memory cap: in one
+launch per system, the length grows by ``--cap-step`` tokens while the measured peak of a full
+step (after one warm-up step at that length) stays under the cap.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ AUTOSP_CONFIGS = {
                                                                    "loss_chunks": 8},
     "autosp, Inductor, full checkpointing + 8 loss chunks": {"compiler": "inductor", "checkpoint": "full",
                                                               "loss_chunks": 8},
+    "autosp, Inductor, selective checkpointing + 8 MLP chunks + 8 loss chunks": {
+        "compiler": "inductor", "checkpoint": "selective", "mlp_chunks": 8, "loss_chunks": 8},
+    "autosp, Inductor, full checkpointing + 8 MLP chunks + 8 loss chunks": {
+        "compiler": "inductor", "checkpoint": "full", "mlp_chunks": 8, "loss_chunks": 8},
 }
 
 
@@ -114,11 +120,10 @@ def _register_causal_sdpa() -> str:
     return "bench_causal_sdpa"
 
 
-def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
+def _deepspeed_engine():
     import deepspeed
     import torch
     import torch.distributed as dist
-    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
@@ -131,6 +136,14 @@ def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
                                       config=ds_config)
     engine.compile()
+    return engine, sp
+
+
+def _deepspeed_step(engine, sp: int, seq_len: int):
+    import torch
+    import torch.distributed as dist
+    from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+
     ids = _ids(seq_len)
     shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)     # AutoSP shifts inside each shard
     positions = torch.arange(seq_len).unsqueeze(0)
@@ -144,9 +157,65 @@ def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         return total.item()
+    return step
 
-    seconds, peak, loss = _measure(step, repeats)
+
+def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
+    engine, sp = _deepspeed_engine()
+    seconds, peak, loss = _measure(_deepspeed_step(engine, sp, seq_len), repeats)
     return dict(step_s=seconds, peak=peak, loss=loss)
+
+
+def _longest_under(make_step, cap_bytes: float, step_tokens: int, max_len: int) -> int:
+    """Grow the length while one step's measured peak (after a warm-up step at that length) stays
+    under the cap; the longest that did, on every rank (0: not even the first)."""
+    import torch
+    import torch.distributed as dist
+
+    from autosp.tools.memory_probe import RssPeak
+
+    best = 0
+    for seq_len in range(step_tokens, max_len + 1, step_tokens):
+        step = make_step(seq_len)
+        step()
+        with RssPeak() as rss:
+            step()
+        peak = torch.tensor([float(rss.peak)])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if peak.item() > cap_bytes:
+            break
+        best = seq_len
+    return best
+
+
+def autosp_longest(cap_bytes: float, step_tokens: int, max_len: int, config: dict) -> int:
+    import torch
+
+    import autosp
+
+    model = tiny()
+    sp = autosp.compile(model, strategy="ulysses", **config)     # one compile serves every length
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def make_step(seq_len: int):
+        ids = _ids(seq_len)
+
+        def step() -> None:
+            sp(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    return _longest_under(make_step, cap_bytes, step_tokens, max_len)
+
+
+def deepspeed_longest(cap_bytes: float, step_tokens: int, max_len: int, config: dict) -> int:
+    engine, sp = _deepspeed_engine()
+
+    def make_step(seq_len: int):
+        return _deepspeed_step(engine, sp, seq_len)
+
+    return _longest_under(make_step, cap_bytes, step_tokens, max_len)
 
 
 def one_process_loss(seq_len: int) -> float:
@@ -163,21 +232,28 @@ def measure(system: str, seq_len: int, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq-lens", default="4096,16384")
+    ap.add_argument("--seq-lens", default="4096,16384", help="comma-separated; empty: skip the side-by-side")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cap-mb", type=float, default=0.0)
+    ap.add_argument("--cap-step", type=int, default=4096)
     ap.add_argument("--max-seq-len", type=int, default=65536)
+    ap.add_argument("--systems", nargs="*", default=None, help="a subset of the systems, by name")
     args = ap.parse_args()
     os.environ["DS_ACCELERATOR"] = "cpu"
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         print("note: set MALLOC_MMAP_THRESHOLD_=65536 for a stable steady state")
     systems = ["DeepSpeed AutoSP", *AUTOSP_CONFIGS]
+    if args.systems:
+        unknown = set(args.systems) - set(systems)
+        if unknown:
+            raise SystemExit(f"unknown systems {sorted(unknown)}; known: {systems}")
+        systems = ["DeepSpeed AutoSP", *[s for s in systems if s in args.systems and s != "DeepSpeed AutoSP"]]
     t0 = time.perf_counter()
     print("tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, vocabulary 1000), batch 1, 2 gloo ranks, "
           "1 thread each, full AdamW step\n")
     print("| S | system | step (s) | vs AutoSP | peak step memory / rank | vs AutoSP | first loss (1 process) |")
     print("|---|---|---|---|---|---|---|")
-    for seq_len in [int(s) for s in args.seq_lens.split(",")]:
+    for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
         single = one_process_loss(seq_len)
         rows = {s: measure(s, seq_len, args.repeats) for s in systems}
         base = rows["DeepSpeed AutoSP"]
@@ -186,15 +262,16 @@ def main() -> None:
                   f"{r['peak'] / 2**20:.0f} MB | {r['peak'] / base['peak']:.2f}x | {r['loss']:.5f} ({single:.5f}) |",
                   flush=True)
     if args.cap_mb:
-        print(f"\nlongest sequence under {args.cap_mb:.0f} MB per rank (doubling from 4096):")
+        print(f"\nlongest sequence under {args.cap_mb:.0f} MB per rank (steps of {args.cap_step} tokens):")
+        longest = {}
         for s in systems:
-            best, seq_len = 0, 4096
-            while seq_len <= args.max_seq_len:
-                r = measure(s, seq_len, 1)
-                if r["peak"] > args.cap_mb * 2**20:
-                    break
-                best, seq_len = seq_len, seq_len * 2
-            print(f"  {s}: {best}", flush=True)
+            kw = dict(cap_bytes=args.cap_mb * 2**20, step_tokens=args.cap_step, max_len=args.max_seq_len)
+            if s == "DeepSpeed AutoSP":
+                longest[s] = spawn_gloo(deepspeed_longest, 2, threads=1, config={}, **kw)
+            else:
+                longest[s] = spawn_gloo(autosp_longest, 2, threads=1, config=AUTOSP_CONFIGS[s], **kw)
+            ratio = longest[s] / longest["DeepSpeed AutoSP"] if longest["DeepSpeed AutoSP"] else float("inf")
+            print(f"  {s}: {longest[s]} tokens ({ratio:.2f}x AutoSP's)", flush=True)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

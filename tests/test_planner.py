@@ -156,3 +156,29 @@ def test_the_ilp_pipelines_ulysses_where_it_hides_communication():
     assert layer["exposed_comm_s"] < 0.5 * plain_layer["exposed_comm_s"]
     assert piped.predicted["total_s"] < plain.predicted["total_s"]
     assert all(a["layers"][layer["fingerprint"]]["strategy"] == "ulysses" for a in plain.alternatives)
+
+
+def test_a_tight_memory_limit_makes_the_ilp_tile_the_mlps_where_that_is_cheapest():
+    """The bench's tiny Llama at 16k tokens on 2 CPU ranks: what fits 250 MiB. Tiling the MLPs
+    (recomputing their forward) costs less than full checkpointing (recomputing attention too);
+    forbid tiling and the same limit costs more time; the plan saves what the cost model says."""
+    import transformers
+
+    from autosp.costmodel.memory import mlp_saved
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+                                   attn_implementation="sdpa")
+    g = capture(transformers.AutoModelForCausalLM.from_config(cfg), seq_len=1024, dtype="float32")
+    kw = dict(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32", memory_limit=250 * 2**20)
+    free = plan(None, **{**kw, "memory_limit": float("inf")})
+    tiled = plan(None, **kw)
+    untiled = plan(None, **kw, mlp_chunks=(1,))
+    assert all(layer["mlp_chunks"] == 1 for layer in free.layers)              # no limit: nothing to save
+    assert all(layer["mlp_chunks"] == 8 for layer in tiled.layers), tiled.layers
+    assert tiled.predicted["peak_bytes"] <= 250 * 2**20 < free.predicted["peak_bytes"]
+    assert untiled.predicted["total_s"] > tiled.predicted["total_s"]
+    # Per layer, tiling drops the MLP's saved gate, up, activation and product: 4 x tokens x
+    # intermediate x 4 bytes at 8192 tokens per rank; its input stays saved (the chunks read it).
+    fp = tiled.layers[0]["fingerprint"]
+    assert mlp_saved(g, 8192)[fp]["none"] == 4 * 8192 * 688 * 4

@@ -216,9 +216,10 @@ def test_a_memory_limit_makes_the_planner_checkpoint_and_the_transform_apply_it(
     res = run_ok(pool, "memory_budget_compare")
     r = res[0]
     assert r["peaks"]["full"] < r["limit"] < r["peaks"]["none"]
-    modes = [layer["checkpoint"] for layer in r["plan_layers"]]
-    assert modes and all(m != "none" for m in modes), modes       # what the planner chose...
-    assert {a["checkpoint"] for a in r["report"]["attention"]} == set(modes)   # ...is what ran
+    chosen = [(layer["checkpoint"], layer["mlp_chunks"]) for layer in r["plan_layers"]]
+    assert chosen and all(c != ("none", 1) for c in chosen), chosen     # what the planner chose...
+    ran = {(a["checkpoint"], a["mlp_chunks"]) for a in r["report"]["attention"]}
+    assert ran == set(chosen), (ran, chosen)                              # ...is what ran
     check_first_step_exact(res, r["strategies"])
 
 

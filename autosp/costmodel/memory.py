@@ -12,6 +12,11 @@ Checkpointing per layer class keeps of one layer's saved activations:
   none       everything autograd saves
   selective  what is expensive to recompute: every matmul and attention output
   full       the layer's input only (one hidden state)
+
+A tiled MLP (:mod:`autosp.transform.tiled_mlp`, ``mlp_chunks`` k > 1) saves none of its
+intermediates: of the layer's saved bytes, those its MLP's ops saved (``none``) or its
+matmul outputs (``selective``) go; its input is saved by the op before it either way.
+Under ``full`` nothing changes in what is saved (the chunks shrink the recompute transient).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from autosp.graph import OpGraph, OpKind, evaluate
 
 CHECKPOINTS = ("none", "selective", "full")
+MLP_CHUNKS = (1, 8)            # token chunks of a layer's MLP the planner chooses between
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -87,6 +93,37 @@ def untraced_layer_activations(graph: OpGraph, tokens: float) -> float:
         if missing > 0:
             extra += missing * evaluate(graph.block_sum(lc.captured[0], "bytes_saved", "fwd"), tokens)
     return extra
+
+
+def tiled_region(graph: OpGraph, block: int) -> str | None:
+    """The child module of a captured block that ``mlp_chunks`` tiles: the one whose forward is
+    matmuls, pointwise ops and views only, with a matmul (the transform's rule, on aten ops)."""
+    kinds: dict[str, set[OpKind]] = {}
+    for a in graph.nodes(phase="fwd", layer=block):
+        if a.region is not None:
+            kinds.setdefault(a.region, set()).add(a.kind)
+    allowed = {OpKind.MATMUL, OpKind.POINTWISE, OpKind.VIEW}
+    return next((name for name, ks in kinds.items() if OpKind.MATMUL in ks and ks <= allowed), None)
+
+
+def mlp_saved(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:
+    """Per layer class, what tiling its MLP removes from one layer's saved bytes, per checkpointing."""
+    out = {}
+    for fp, lc in graph.layer_classes.items():
+        block = lc.captured[0]
+        region = tiled_region(graph, block)
+        saved = outputs = 0.0
+        inside = {a.name for a in graph.nodes(phase="fwd", layer=block) if region is not None and a.region == region}
+        for a in graph.nodes(phase="fwd", layer=block):
+            if a.name not in inside:
+                continue
+            # Not a view of what enters: that is the MLP's input, which the chunks save too.
+            if a.kind != OpKind.VIEW or any(p in inside for p in graph.graph.predecessors(a.name)):
+                saved += evaluate(a.bytes_saved, tokens)
+                if a.kind == OpKind.MATMUL:
+                    outputs += evaluate(a.bytes_written, tokens)
+        out[fp] = {"none": saved, "selective": outputs, "full": 0.0, "tileable": float(region is not None)}
+    return out
 
 
 def saved_per_layer(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, untraced_layer_activations
+from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, tiled_region, untraced_layer_activations
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, OpNode, evaluate
@@ -61,6 +61,7 @@ class Prediction:
     layer_forward_s: float = 0.0        # forward compute inside layers: what full recompute costs
     layer_forward_pointwise_s: float = 0.0   # ... of memory-bound ops: what selective recompute costs
     layer_compute_s: float = 0.0        # all compute inside layers
+    mlp_forward_s: float = 0.0          # forward compute of the layers' tileable MLPs: what tiling recomputes
     attention_comm_s: float = 0.0
     attention_exposed_s: float = 0.0
     gradient_comm_s: float = 0.0
@@ -137,6 +138,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     p = Prediction(strategy=strat.spec, sp=sp, dp=dp, seq_len=S, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
                    total_s=0.0, memory={}, peak_bytes=0.0, model_flops=0.0, mfu=0.0, tokens_per_s=0.0)
     workspace = backward_s = 0.0
+    mlps = {tiled_region(graph, lc.captured[0]) for lc in graph.layer_classes.values()} - {None}
     for a, w in graph.weighted_nodes():
         if a.kind == OpKind.VIEW:
             continue
@@ -172,6 +174,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
             p.layer_compute_s += w * (t + profile.op_overhead_s)
             if a.phase == "fwd":
                 p.layer_forward_s += w * (t + profile.op_overhead_s)
+                if a.region in mlps:
+                    p.mlp_forward_s += w * (t + profile.op_overhead_s)
 
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
                                                          reduce_grads or dp > 1, backward_s)

@@ -148,6 +148,9 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
     for i, block in enumerate(built.blocks):
         hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
         hooks.append(block.register_forward_hook(lambda m, a, o, i=i: enter(i)))
+        for name, child in block.named_children():      # where a block's MLP runs (tiled MLPs are costed)
+            hooks.append(child.register_forward_pre_hook(lambda m, a, k=(i, name): enter(k)))
+            hooks.append(child.register_forward_hook(lambda m, a, o, k=(i, name): enter(k)))
 
     def step(params_in: list[torch.Tensor], kw: dict[str, torch.Tensor]):
         by_id = {id(p): q for p, q in zip(params, params_in)}
@@ -272,7 +275,14 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
                 dtype: torch.dtype) -> OpGraph:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    spans = {b: (_position(m[0], index), _position(m[-1], index)) for b, m in marks.items() if len(m) == 2}
+    spans = {b: (_position(m[0], index), _position(m[-1], index)) for b, m in marks.items()
+             if len(m) == 2 and isinstance(b, int)}
+    # the children of a block called once: (block, child name) -> span
+    child_spans = {k: (_position(m[0], index), _position(m[-1], index)) for k, m in marks.items()
+                   if len(m) == 2 and isinstance(k, tuple)}
+
+    def fwd_region(i: int) -> str | None:
+        return next((name for (_, name), (lo, hi) in child_spans.items() if lo <= i < hi), None)
     boundary = _position(boundary_node, index)
 
     def fwd_block(i: int) -> int | None:
@@ -284,10 +294,12 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
     config = getattr(built.module, "config", None)
     windows = [attention_window(b, config) if built.is_hf else 0 for b in built.blocks]
     seq_nr_block: dict[int, int | None] = {}
+    seq_nr_region: dict[int, str | None] = {}
     for i, n in enumerate(nodes[:boundary]):
         nr = n.meta.get("seq_nr")
         if nr is not None and n.op == "call_function":
             seq_nr_block.setdefault(nr, fwd_block(i))
+            seq_nr_region.setdefault(nr, fwd_region(i))
 
     g = nx.DiGraph()
     storage_best: dict[Any, tuple[Any, str]] = {}
@@ -300,6 +312,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             continue
         phase = "fwd" if i < boundary else "bwd"
         layer = fwd_block(i) if phase == "fwd" else seq_nr_block.get(n.meta.get("seq_nr"))
+        region = fwd_region(i) if phase == "fwd" else seq_nr_region.get(n.meta.get("seq_nr"))
         kind = classify(n.target)
         arg_shapes = [(shapes_of.get(a) or [None])[0] if isinstance(a, torch.fx.Node) else None for a in n.args]
         out_bytes = sum(prod(s) * t.element_size() for s, t in zip(shapes, tvals))
@@ -323,7 +336,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
             flops=op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes),
             bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
-            attention=attention, index=i))
+            attention=attention, index=i, region=region if layer is not None else None))
         for a in n.all_input_nodes:
             if a.name in g:
                 g.add_edge(a.name, n.name)

@@ -77,6 +77,7 @@ class OpNode:
     bytes_saved: Size = 0            # kept alive for backward (one count per storage)
     attention: AttentionOp | None = None
     index: int = 0
+    region: str | None = None        # the child module of its block it ran in ("mlp", "self_attn", ...)
 
     @property
     def holds_memory(self) -> bool:

@@ -107,3 +107,9 @@ class Plan:
         """Activation checkpointing to apply: one mode for every layer, or one per layer."""
         per_layer = [layer["checkpoint"] for layer in self.layers for _ in range(layer["count"])]
         return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+    def mlp_chunks(self) -> int | list[int]:
+        """Token chunks of each layer's MLP (1: untiled): one count for every layer, or one per layer
+        (plans written before the decision existed: 1)."""
+        per_layer = [layer.get("mlp_chunks", 1) for layer in self.layers for _ in range(layer["count"])]
+        return per_layer[0] if len(set(per_layer)) == 1 else per_layer

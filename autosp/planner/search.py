@@ -1,7 +1,7 @@
 """``autosp.plan``: build the ILP's candidates from the cost model, solve, explain.
 
 Candidates are meshes (SP degree x token layout); under each, every layer class
-may take any (strategy, checkpointing) option, where the strategies are the
+may take any (strategy, checkpointing, MLP chunks) option, where the strategies are the
 registry's legal candidates for that mesh (:func:`autosp.strategies.candidates`:
 Ulysses, ring, all-gather-KV, every Ulysses x ring shape, ...). The time and
 memory of each option come from :func:`autosp.costmodel.predict`; the ILP
@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Any, Callable
 
-from autosp.costmodel.memory import CHECKPOINTS, model_states, saved_per_layer
+from autosp.costmodel.memory import CHECKPOINTS, MLP_CHUNKS, mlp_saved, model_states, saved_per_layer
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.errors import AutospError
@@ -34,8 +34,10 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      seq_len: int, sp_degrees: tuple[int, ...] | None = None,
                      checkpoints: tuple[str, ...] = CHECKPOINTS,
                      strategies: tuple[str, ...] | None = None,
-                     documents: tuple[int, ...] = (), overlap: bool = True) -> tuple[list[Candidate], dict]:
-    """The ILP's meshes and options; ``strategies`` restricts the strategy families."""
+                     documents: tuple[int, ...] = (), overlap: bool = True,
+                     mlp_chunks: tuple[int, ...] = MLP_CHUNKS) -> tuple[list[Candidate], dict]:
+    """The ILP's meshes and options; ``strategies`` restricts the strategy families, ``mlp_chunks``
+    the token chunks a layer's MLP may run in (1: untiled)."""
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
@@ -47,6 +49,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         if sp_degrees is not None and sp not in sp_degrees:
             continue
         mem = saved_per_layer(graph, seq_len / sp)         # per layer class and checkpointing mode
+        tiled = mlp_saved(graph, seq_len / sp)             # what tiling each class's MLP removes of that
         saved_total = sum(mem[fp]["none"] * lc.count for fp, lc in graph.layer_classes.items())
         for layout in PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1]:
             if seq_len % n_chunks(layout, sp):
@@ -72,9 +75,15 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
                     for k in checkpoints:
-                        opts.append(Option(key=(st, k), time_s=share * (layer_time[st] + recompute[k]),
-                                           mem_bytes=lc.count * mem[fp][k] + workspace_delta,
-                                           exposed_s=share * p.attention_exposed_s))
+                        for chunks in mlp_chunks if tiled[fp]["tileable"] else (1,):
+                            # A tiled MLP recomputes its forward in backward, unless the layer's
+                            # full recompute does already; it saves none of its intermediates.
+                            again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
+                            saved = mem[fp][k] - (tiled[fp][k] if chunks > 1 else 0.0)
+                            opts.append(Option(key=(st, k, chunks),
+                                               time_s=share * (layer_time[st] + recompute[k] + again),
+                                               mem_bytes=lc.count * saved + workspace_delta,
+                                               exposed_s=share * p.attention_exposed_s))
                 cand.options[fp] = opts
             cands.append(cand)
             preds[cand.key] = ps
@@ -86,10 +95,11 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          dtype: str = "bfloat16", graph: OpGraph | None = None, alternatives: int = 5,
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
-         overlap: bool = True) -> Plan:
+         overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
-    ``sp_degrees``, ``checkpoints`` and ``strategies`` (strategy families) restrict the space,
+    ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled)
+    and ``strategies`` (strategy families) restrict the space,
     ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
     mask within each that the model builds from restarting position ids)."""
@@ -105,7 +115,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     t0 = time.perf_counter()
     cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
-                                    strategies, tuple(documents or ()), overlap)
+                                    strategies, tuple(documents or ()), overlap, tuple(mlp_chunks))
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
     ranked = solve_k_best(cands, limit, alternatives + 1) if cands else []
@@ -133,8 +143,8 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
     peak = prof.peak_flops(g.dtype)
     flops = g.total_flops(seq_len) / sp
     return {"sp": sp, "layout": layout,
-            "layers": {fp: {"class": g.layer_classes[fp].module_type, "strategy": st, "checkpoint": k}
-                       for fp, (st, k) in sol.choice.items()},
+            "layers": {fp: {"class": g.layer_classes[fp].module_type, "strategy": st, "checkpoint": k,
+                            "mlp_chunks": c} for fp, (st, k, c) in sol.choice.items()},
             "total_s": sol.time_s, "peak_bytes": sol.mem_bytes, "exposed_comm_s": exposed,
             "compute_s": sol.time_s - exposed, "mfu": flops / (sol.time_s * peak) if peak else 0.0}
 
@@ -146,12 +156,12 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
     mesh = SPMesh(sp, layout, dpn)
     layers = []
     for fp, lc in g.layer_classes.items():
-        st, k = sol.choice[fp]
+        st, k, chunks = sol.choice[fp]
         strat = resolve(st)
         u, r = strat.grid(mesh)
-        chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == (st, k))
+        chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == (st, k, chunks))
         layers.append({"class": lc.module_type, "fingerprint": fp, "count": lc.count, "strategy": st,
-                       "checkpoint": k, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
+                       "checkpoint": k, "mlp_chunks": chunks, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
                        "exposed_comm_s": chosen.exposed_s})
     states = model_states(g, world, zero_stage)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}

@@ -36,7 +36,8 @@ __all__ = ["SequenceParallel", "compile"]
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
             gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
-            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mlp_chunks: int = 1, mesh: DeviceMesh | None = None,
+            checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mlp_chunks: int | Sequence[int] = 1,
+            mesh: DeviceMesh | None = None,
             zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True) -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
@@ -73,7 +74,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     model's logits output is then empty (:mod:`autosp.transform.tiled_loss`).
     ``mlp_chunks``: > 1 runs every layer's MLP over that many chunks of this rank's tokens,
     recomputing each chunk's intermediates in its backward, so the ``tokens x intermediate``
-    activations exist for one chunk at a time (:mod:`autosp.transform.tiled_mlp`).
+    activations exist for one chunk at a time (:mod:`autosp.transform.tiled_mlp`); or a list with
+    one count per transformer layer; a plan's choice per layer class is applied.
     ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "sp")`` (or 1-D: SP only); SP runs inside
     each ``"sp"`` row, data parallelism across rows (each row passes its own batch).
     ``zero_stage``: ``None`` (default): gradients are summed over the SP group inside the graphs and
@@ -100,6 +102,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
             the_plan.check(world_size=dist.get_world_size())
             _check_plan_placement(the_plan)
         strategy, layout, checkpoint = the_plan.strategy(), the_plan.layout, the_plan.checkpoint()
+        mlp_chunks = the_plan.mlp_chunks() if mlp_chunks == 1 else mlp_chunks
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
         zero_stage = the_plan.zero_stage if zero_stage is None else zero_stage
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
@@ -115,7 +118,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
                           "(the caller reduces them) contradicts it: pass one of the two")
     if mesh is not None and (sp_size is not None or group is not None):
         raise AutospError("give a mesh, or sp_size / group, not both (the mesh's 'sp' dimension is the SP group)")
-    for name, k in (("loss_chunks", loss_chunks), ("mlp_chunks", mlp_chunks)):
+    per_layer = [mlp_chunks] if isinstance(mlp_chunks, int) else list(mlp_chunks)
+    mlp_chunks = mlp_chunks if isinstance(mlp_chunks, int) else per_layer
+    for name, k in (("loss_chunks", loss_chunks), *(("mlp_chunks", c) for c in per_layer)):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise AutospError(f"{name} must be a positive integer (1 = untiled), got {k!r}")
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)

@@ -86,7 +86,7 @@ class SPConfig:
     checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
     loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
-    mlp_chunks: int = 1                 # >1: every layer's MLP over this many token chunks (tiled_mlp.py)
+    mlp_chunks: int | list[int] = 1     # >1: a layer's MLP over this many token chunks (tiled_mlp.py)
     loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
 
 
@@ -178,9 +178,11 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if config.loss_chunks > 1 and report.attention:
             report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name,
                                                  aot=config.compiler != "eager")
-        if config.mlp_chunks > 1 and report.attention:
-            report.tiled_mlps = tile_mlps(gm, config.mlp_chunks, config.layer_paths, aot=config.compiler != "eager",
-                                          mode_of=_mode_of(config))
+        chunks = config.mlp_chunks
+        if report.attention and (chunks > 1 if isinstance(chunks, int) else any(c > 1 for c in chunks)):
+            report.tiled_mlps = tile_mlps(gm, chunks if isinstance(chunks, int) else chunks.__getitem__,
+                                          config.layer_paths, aot=config.compiler != "eager", mode_of=_mode_of(config),
+                                          record=report.mlp_chunks)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:

@@ -28,6 +28,7 @@ class AttentionRow:
     tokens_per_rank: int           # outside attention (and queries inside, for ring-like strategies)
     checkpoint: str
     overlap: str = "none"          # how its collectives overlap its compute (the strategy says)
+    mlp_chunks: int = 1            # token chunks its layer's MLP ran in (1: untiled)
 
 
 @dataclass
@@ -63,16 +64,16 @@ class SPReport:
                         f"{self.padded_len}), {self.compiled_graphs} compiled graphs, attention work busiest / "
                         f"mean rank {self.work_balance:.2f}")
         for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
-                    "tokens per rank", "checkpoint", "overlap"):
+                    "tokens per rank", "checkpoint", "MLP chunks", "overlap"):
             t.add_column(col, justify="right")
         for r in self.attention:
             t.add_row(str(r.index), r.strategy, r.layout, f"{r.heads} / {r.kv_heads}",
                       f"{r.ulysses_degree} x {r.ring_degree}", str(r.heads_per_rank), str(r.tokens_per_rank),
-                      r.checkpoint, r.overlap)
+                      r.checkpoint, str(r.mlp_chunks), r.overlap)
         t.add_section()
         for kind, c in sorted(self.collectives.items()):
             t.add_row(kind, f"{c['calls']} calls", f"{c['bytes'] / 2**20:.2f} MiB sent",
-                      f"{c.get('blocked_s', 0.0) * 1e3:.1f} ms waited", "", "", "", "", "")
+                      f"{c.get('blocked_s', 0.0) * 1e3:.1f} ms waited", "", "", "", "", "", "")
         return t
 
     def __str__(self) -> str:

@@ -113,6 +113,7 @@ class SequenceParallel(nn.Module):
         step = getattr(self, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
         mesh = SPMesh(self.sp_degree, self.config.layout)
         modes = self.config.checkpoint
+        tiled = {layer: k for r in self.state.reports for layer, k in r.mlp_chunks.items()}
         rows = []
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
             strat = resolve(spec)
@@ -121,6 +122,7 @@ class SequenceParallel(nn.Module):
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
                 ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
                 checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none",
+                mlp_chunks=tiled.get(i, 1),
                 overlap=strat.overlap))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
@@ -233,6 +235,8 @@ class SequenceParallel(nn.Module):
         self.config.strategy, self.config.layout = chosen, layout_for(strategies, plan.layout)
         if tuple(getattr(self.plan_provider, "checkpoints", ("none",))) != ("none",):
             self.config.checkpoint = plan.checkpoint()      # the planner chose it (else: the caller's)
+        if tuple(getattr(self.plan_provider, "mlp_chunks", (1,))) != (1,):
+            self.config.mlp_chunks = plan.mlp_chunks()
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         set_up(self.config, strategies)
         self.plan = plan

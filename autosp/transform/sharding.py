@@ -122,6 +122,7 @@ class ShardReport:
     token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
+    mlp_chunks: dict[int, int] = field(default_factory=dict)   # layer index -> chunks its MLP ran in
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0

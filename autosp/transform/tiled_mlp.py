@@ -148,15 +148,19 @@ class CheckpointedChunk(torch.nn.Module):
         return checkpoint(self.region, *args, use_reentrant=False)
 
 
-def tile_mlps(gm: fx.GraphModule, chunks: int, layer_paths: list[str], *, aot: bool,
-              mode_of: Callable[[int], str] = lambda i: "none") -> int:
-    """Run every tileable layer child of ``gm`` over ``chunks`` token slices; returns how many.
+def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_paths: list[str], *, aot: bool,
+              mode_of: Callable[[int], str] = lambda i: "none", record: dict[int, int] | None = None) -> int:
+    """Run every tileable layer child of ``gm`` over ``chunks`` token slices (or ``chunks(layer)``
+    for each layer); returns how many were tiled.
 
     ``aot``: tag the chunk calls for AOTAutograd's partitioner (else wrap them in checkpoint);
-    ``mode_of(layer)``: the layer's checkpointing (under ``full`` the chunks share its id)."""
+    ``mode_of(layer)``: the layer's checkpointing (under ``full`` the chunks share its id);
+    ``record``: filled with layer index -> chunks, for the report."""
+    chunks_of = chunks if callable(chunks) else (lambda layer: chunks)
     tiled = 0
     for layer, nodes in _regions(gm, layer_paths):
-        found = _tileable(nodes)
+        chunks = chunks_of(layer)
+        found = _tileable(nodes) if chunks > 1 else None
         if found is None:
             continue
         x, out, dim = found
@@ -182,6 +186,8 @@ def tile_mlps(gm: fx.GraphModule, chunks: int, layer_paths: list[str], *, aot: b
             joined.meta.update(meta)
             joined.meta["autosp_seq"] = out.meta["autosp_seq"]
         out.replace_all_uses_with(joined)
+        if record is not None:
+            record[layer] = chunks
         for n in reversed(nodes):
             gm.graph.erase_node(n)
         tiled += 1
