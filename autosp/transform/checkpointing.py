@@ -105,7 +105,9 @@ def tag_for_recompute(gm: fx.GraphModule, layer_paths: list[str], mode_of: Calla
         else:
             policy = CheckpointPolicy.MUST_SAVE if _expensive(n.target) else CheckpointPolicy.PREFER_RECOMPUTE
         n.meta["recompute"] = policy
-        n.meta["ac_graph_id"] = p // 2
+        # A tiled MLP's part of a fully checkpointed layer is a region of its own (tiled_mlp.py):
+        # the boundary between the two (the attention block's output) is kept.
+        n.meta["ac_graph_id"] = 2 * (p // 2) + (1 if mode == "full" and n.meta.get("autosp_second_part") else 0)
         tagged += 1
     return tagged
 

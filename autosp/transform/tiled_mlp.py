@@ -148,6 +148,31 @@ class CheckpointedChunk(torch.nn.Module):
         return checkpoint(self.region, *args, use_reentrant=False)
 
 
+def _mark_second_part(gm: fx.GraphModule, first: fx.Node, split: fx.Node, layer: int, layer_paths: list[str]) -> None:
+    """Mark the layer's nodes from its MLP block on (the norm before the MLP, if any, then the
+    MLP and the residual after it) as the layer's second part: under full checkpointing it is its
+    own recompute region (:func:`autosp.transform.checkpointing.tag_for_recompute`), so the MLP
+    chunks are recomputed from the block's saved input without the attention's recompute alive."""
+    nodes = list(gm.graph.nodes)
+    at = nodes.index(split)
+    before = [n for n in nodes[:at] if n.op in ("call_function", "call_method") and n.meta.get("nn_module_stack")]
+    start = split
+    if before:
+        where = _child_of_layer(before[-1], layer_paths)
+        run = [n for n in before if _child_of_layer(n, layer_paths) == where]
+        # a norm (no matmul) right before the MLP belongs to the MLP's part
+        if where is not None and where[0] == layer and not any(n.target in _LINEAR for n in run):
+            start = run[0]
+    for n in nodes[nodes.index(start):]:
+        where = _child_of_layer(n, layer_paths) if n.meta.get("nn_module_stack") else (layer, "")
+        stack = [_path(p) for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
+        in_layer = where is not None and where[0] == layer or any(
+            p == layer_paths[layer] or p.endswith("." + layer_paths[layer]) for p in stack)
+        if not in_layer:
+            break
+        n.meta["autosp_second_part"] = True
+
+
 def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_paths: list[str], *, aot: bool,
               mode_of: Callable[[int], str] = lambda i: "none", record: dict[int, int] | None = None) -> int:
     """Run every tileable layer child of ``gm`` over ``chunks`` token slices (or ``chunks(layer)``
@@ -179,13 +204,14 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
                 call.meta.update(meta)
                 if aot:
                     call.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    call.meta["ac_graph_id"] = layer if mode_of(layer) == "full" else \
+                    call.meta["ac_graph_id"] = 2 * layer + 1 if mode_of(layer) == "full" else \
                         _CHUNK_ID_BASE + tiled * chunks + c
                 outs.append(call)
             joined = gm.graph.call_function(torch.cat, (outs,), {"dim": dim})
             joined.meta.update(meta)
             joined.meta["autosp_seq"] = out.meta["autosp_seq"]
         out.replace_all_uses_with(joined)
+        _mark_second_part(gm, nodes[0], parts, layer, layer_paths)
         if record is not None:
             record[layer] = chunks
         for n in reversed(nodes):
