@@ -30,7 +30,8 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
     plan, or ``plan="auto"``, the ILP plans for the first batch (see :mod:`autosp.autoplan`;
     if it cannot, the default strategy choice applies, with a warning); a Plan or a plan path
     applies that plan. ``memory_limit``: bytes per device the plan must fit (attention strategy,
-    checkpointing and MLP tiling per layer chosen at the least predicted time); default the device's."""
+    checkpointing and MLP tiling per layer, the loss's tiling, chosen at the least predicted time);
+    default the device's."""
     planned = plan == "auto" or (plan is None and kwargs.get("strategy", "auto") == "auto")
     if memory_limit is not None and not planned:
         raise AutospError("memory_limit is a budget for the planner: use it with strategy='auto' (the default) "
@@ -39,10 +40,12 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
         from autosp.autoplan import AutoPlanner
 
         explicit = "checkpoint" in kwargs and kwargs["checkpoint"] != "none"
-        tiled = kwargs.get("mlp_chunks", 1) != 1                  # the caller's tiling is kept
+        mlp = kwargs.get("mlp_chunks", 1) != 1                    # the caller's tiling is kept
+        loss = kwargs.get("loss_chunks", 1) != 1
         plan = AutoPlanner(fallback=plan is None, memory_limit=memory_limit,
                            checkpoints=("none",) if explicit else ("none", "selective", "full"),
-                           overlap=kwargs.get("overlap", True), mlp_chunks=(1,) if tiled else (1, 8))
+                           overlap=kwargs.get("overlap", True), mlp_chunks=(1,) if mlp else (1, 8),
+                           loss_chunks=(1,) if loss else (1, 8))
     return _compile(model, plan=plan, **kwargs)
 
 

@@ -57,12 +57,13 @@ class AutoPlanner:
 
     def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
                  memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
-                 overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8)):
+                 overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8)):
         self.profile = profile
         self.cache = cache
         self.memory_limit = memory_limit        # bytes per device; None: the device's
         self.checkpoints = checkpoints
         self.mlp_chunks = mlp_chunks            # token chunks of a layer's MLP the planner may choose
+        self.loss_chunks = loss_chunks          # ... and of the LM head and loss
         self.overlap = overlap                  # False: plan only unpipelined strategies
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
@@ -104,7 +105,8 @@ class AutoPlanner:
         limit = self.memory_limit or device_memory(param.device, world)
         # devices per node: the launch's (torchrun sets LOCAL_WORLD_SIZE), else the profile's
         dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
-        modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks))
+        modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks)) + \
+            "-l" + "-".join(map(str, self.loss_chunks))
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
                f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}{'' if self.overlap else '-serial'}.json")
@@ -114,7 +116,8 @@ class AutoPlanner:
             return Plan.load(path)
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
-                 devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks)
+                 devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
+                 loss_chunks=self.loss_chunks)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

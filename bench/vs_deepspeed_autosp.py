@@ -45,6 +45,9 @@ AUTOSP_CONFIGS = {
         "compiler": "inductor", "checkpoint": "selective", "mlp_chunks": 8, "loss_chunks": 8},
     "autosp, Inductor, full checkpointing + 8 MLP chunks + 8 loss chunks": {
         "compiler": "inductor", "checkpoint": "full", "mlp_chunks": 8, "loss_chunks": 8},
+    # the planner's own choice (strategy, checkpointing, MLP and loss tiling) under a per-rank budget
+    "autosp, Inductor, planned within 200 MiB": {"compiler": "inductor", "strategy": "auto",
+                                                 "memory_limit": 200 * 2**20},
 }
 
 
@@ -89,7 +92,7 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
 
     ids = _ids(seq_len)
     model = tiny()
-    sp = autosp.compile(model, strategy="ulysses", **config)
+    sp = autosp.compile(model, **{"strategy": "ulysses", **config})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> float:
@@ -100,7 +103,11 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
         return loss.item()
 
     seconds, peak, loss = _measure(step, repeats)
-    return dict(step_s=seconds, peak=peak, loss=loss)
+    plan = getattr(sp, "plan", None)
+    chosen = "" if plan is None else "; ".join(
+        f"{layer['strategy']}, {layer['checkpoint']}, MLP x{layer.get('mlp_chunks', 1)}" for layer in plan.layers) \
+        + f", loss x{plan.loss_chunks}"
+    return dict(step_s=seconds, peak=peak, loss=loss, plan=chosen)
 
 
 def _register_causal_sdpa() -> str:
@@ -194,7 +201,7 @@ def autosp_longest(cap_bytes: float, step_tokens: int, max_len: int, config: dic
     import autosp
 
     model = tiny()
-    sp = autosp.compile(model, strategy="ulysses", **config)     # one compile serves every length
+    sp = autosp.compile(model, **{"strategy": "ulysses", **config})     # one compile serves every length
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def make_step(seq_len: int):
@@ -238,6 +245,7 @@ def main() -> None:
     ap.add_argument("--cap-step", type=int, default=4096)
     ap.add_argument("--max-seq-len", type=int, default=65536)
     ap.add_argument("--systems", nargs="*", default=None, help="a subset of the systems, by name")
+    ap.add_argument("--cap-systems", nargs="*", default=None, help="the systems of the cap search (default: all)")
     args = ap.parse_args()
     os.environ["DS_ACCELERATOR"] = "cpu"
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
@@ -261,10 +269,14 @@ def main() -> None:
             print(f"| {seq_len} | {s} | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x | "
                   f"{r['peak'] / 2**20:.0f} MB | {r['peak'] / base['peak']:.2f}x | {r['loss']:.5f} ({single:.5f}) |",
                   flush=True)
+        for s, r in rows.items():
+            if r.get("plan"):
+                print(f"  ({s} at {seq_len}: the planner chose {r['plan']})")
     if args.cap_mb:
         print(f"\nlongest sequence under {args.cap_mb:.0f} MB per rank (steps of {args.cap_step} tokens):")
         longest = {}
-        for s in systems:
+        for s in (["DeepSpeed AutoSP", *[x for x in args.cap_systems if x != "DeepSpeed AutoSP"]]
+                  if args.cap_systems else systems):
             kw = dict(cap_bytes=args.cap_mb * 2**20, step_tokens=args.cap_step, max_len=args.max_seq_len)
             if s == "DeepSpeed AutoSP":
                 longest[s] = spawn_gloo(deepspeed_longest, 2, threads=1, config={}, **kw)

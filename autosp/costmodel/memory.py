@@ -21,6 +21,8 @@ Under ``full`` nothing changes in what is saved (the chunks shrink the recompute
 
 from __future__ import annotations
 
+from typing import Any
+
 from autosp.graph import OpGraph, OpKind, evaluate
 
 CHECKPOINTS = ("none", "selective", "full")
@@ -41,9 +43,11 @@ def model_states(graph: OpGraph, group: int, zero_stage: int) -> dict[str, float
             "gradients": n * p_bytes / (group if zero_stage >= 2 else 1)}
 
 
-def liveness_peak(graph: OpGraph, tokens: float) -> tuple[float, float, float]:
+def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
-    while an attention op runs), with sizes evaluated at ``tokens`` per rank."""
+    while an attention op runs), with sizes evaluated at ``tokens`` per rank; ``phases`` is filled
+    with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions change
+    differently."""
     g = graph.graph
     order = list(g.nodes)
     ops = {n: graph.op(n) for n in order}
@@ -74,15 +78,40 @@ def liveness_peak(graph: OpGraph, tokens: float) -> tuple[float, float, float]:
     for b, i in last.items():
         frees.setdefault(i, []).append(b)
     live = peak = at_attention = 0.0
+    curve = []
     for i, n in enumerate(order):
         if base[n] == n:
             live += size[n]
             peak = max(peak, live)
+        curve.append(live)
         if ops[n].kind == OpKind.ATTENTION:
             at_attention = max(at_attention, live)
         for b in frees.get(i, []):
             live -= size[b]
+    if phases is not None:
+        phases.update(_phases(graph, order, ops, curve))
     return peak, grads, at_attention
+
+
+def _phases(graph: OpGraph, order: list[str], ops: dict, curve: list[float]) -> dict[str, Any]:
+    """Where the schedule's memory peaks: outside the layers' backward (the loss: ``loss``, and
+    what is live as the head and loss begin: ``loss_start``) and, per captured block, during its
+    backward, in its tileable MLP (``mlp``) and elsewhere (``rest``)."""
+    last_layer_fwd = max((i for i, n in enumerate(order) if ops[n].phase == "fwd" and ops[n].layer is not None),
+                         default=0)
+    regions = {lc_b: tiled_region(graph, lc_b) for lc in graph.layer_classes.values() for lc_b in lc.captured}
+    loss = 0.0
+    layers: dict[int, dict[str, float]] = {}
+    for i, n in enumerate(order):
+        a = ops[n]
+        if a.phase == "bwd" and a.layer is not None:
+            part = "mlp" if a.region is not None and a.region == regions.get(a.layer) else "rest"
+            d = layers.setdefault(a.layer, {"mlp": 0.0, "rest": 0.0})
+            d[part] = max(d[part], curve[i])
+        else:
+            loss = max(loss, curve[i])
+    start = curve[last_layer_fwd] if curve else 0.0
+    return {"loss": loss, "loss_start": start, "layers": layers}
 
 
 def untraced_layer_activations(graph: OpGraph, tokens: float) -> float:
@@ -141,3 +170,71 @@ def saved_per_layer(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]
                 sel += evaluate(a.bytes_written, tokens)
         out[fp] = {"none": saved, "selective": min(sel + hidden, saved), "full": min(hidden, saved)}
     return out
+
+
+def layer_saved(graph: OpGraph, tokens: float, checkpoint: str, mlp_chunks: int) -> dict[str, float]:
+    """Per layer class: what one layer keeps for backward under a checkpointing mode and MLP tiling."""
+    mem, tiled = saved_per_layer(graph, tokens), mlp_saved(graph, tokens)
+    return {fp: mem[fp][checkpoint] - (tiled[fp][checkpoint] if mlp_chunks > 1 and tiled[fp]["tileable"] else 0.0)
+            for fp in mem}
+
+
+def decisions_delta(graph: OpGraph, tokens: float, checkpoint: str = "none", mlp_chunks: int = 1,
+                    loss_chunks: int = 1) -> float:
+    """Change of the step peak (bytes per device) from the memory decisions (the same for every
+    layer class), against none of them, as the planner counts it: each layer's saved bytes."""
+    base, chosen = layer_saved(graph, tokens, "none", 1), layer_saved(graph, tokens, checkpoint, mlp_chunks)
+    return sum(lc.count * (chosen[fp] - base[fp]) for fp, lc in graph.layer_classes.items())
+
+
+LOSS_CHUNKS = (1, 8)           # token chunks of the LM head and loss the planner chooses between
+
+
+def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: float, untraced: float,
+               workspace: float, loss_chunks: int) -> dict[Any, float]:
+    """The constants of the planner's memory constraints for one mesh (see :mod:`autosp.planner.ilp`).
+
+    The captured schedule without decisions peaks in phases: at the loss (what is live when the
+    head starts, ``loss_start``, plus the head and loss's transient, which ``loss_chunks`` divides)
+    and during each layer's backward. Under any decisions, every layer but the one running its
+    backward holds what its options keep (the shared term sum_c count_c * s_c(o)); so each phase's
+    constant is the schedule's value there with every layer's saved bytes taken out:
+        "loss"          nonstep + untraced + loss_start + (loss - loss_start) / k - sum_c count_c s_c(none)
+        (c, "mlp")      nonstep + untraced + mlp_c - sum_c count_c s_c(none)
+        (c, "rest")     nonstep + untraced + rest_c + workspace - sum_c count_c s_c(none)
+    where ``nonstep`` is what exists outside the step (parameters, optimizer states, gradients)
+    and ``untraced`` the saved activations of the layers not traced."""
+    s_none = layer_saved(graph, tokens, "none", 1)
+    total = sum(lc.count * s_none[fp] for fp, lc in graph.layer_classes.items())
+    head = phases["loss_start"] + (phases["loss"] - phases["loss_start"]) / loss_chunks
+    out: dict[Any, float] = {"loss": nonstep + untraced + head - total}
+    for fp, lc in graph.layer_classes.items():
+        block = max(lc.captured)          # the class's last traced layer: its backward runs first
+        d = phases["layers"].get(block)
+        if d is None:
+            continue
+        out[(fp, "mlp")] = nonstep + untraced + d["mlp"] - total
+        out[(fp, "rest")] = nonstep + untraced + d["rest"] + workspace - total
+    return out
+
+
+def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunks: int) -> dict[str, float]:
+    """What one layer of class ``fp`` holds during its own backward beyond what its option keeps:
+    its activations come back as without checkpointing (recomputed), a tiled MLP's one chunk at a
+    time."""
+    none = layer_saved(graph, tokens, "none", 1)[fp]
+    kept = layer_saved(graph, tokens, checkpoint, mlp_chunks)[fp]
+    tiled = mlp_saved(graph, tokens)[fp]
+    shrink = (1 - 1 / mlp_chunks) * tiled["none"] if mlp_chunks > 1 and tiled["tileable"] else 0.0
+    return {"mlp": none - kept - shrink, "rest": none - kept}
+
+
+def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]]) -> float:
+    """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices."""
+    shared = sum(lc.count * layer_saved(graph, tokens, *choice[fp], )[fp] for fp, lc in graph.layer_classes.items())
+    peaks = [terms["loss"] + shared]
+    for key, base in terms.items():
+        if key != "loss":
+            fp, phase = key
+            peaks.append(base + shared + own_bytes(graph, tokens, fp, *choice[fp])[phase])
+    return max(peaks)

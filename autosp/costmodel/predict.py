@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, tiled_region, untraced_layer_activations
+from autosp.costmodel.memory import (decided_peak, dtype_bytes, liveness_peak, model_states, peak_terms,
+                                     tiled_region, untraced_layer_activations)
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, OpNode, evaluate
@@ -62,6 +63,8 @@ class Prediction:
     layer_forward_pointwise_s: float = 0.0   # ... of memory-bound ops: what selective recompute costs
     layer_compute_s: float = 0.0        # all compute inside layers
     mlp_forward_s: float = 0.0          # forward compute of the layers' tileable MLPs: what tiling recomputes
+    head_forward_s: float = 0.0         # forward matmuls and loss outside the layers: what a tiled loss recomputes
+    phases: dict = None                 # where the schedule peaks (autosp.costmodel.memory._phases)
     attention_comm_s: float = 0.0
     attention_exposed_s: float = 0.0
     gradient_comm_s: float = 0.0
@@ -163,6 +166,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
             t = profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
+            if a.layer is None and a.phase == "fwd":
+                p.head_forward_s += w * (t + profile.op_overhead_s)
         else:
             t = profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
             if a.layer is not None and a.phase == "fwd":
@@ -181,7 +186,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                                                          reduce_grads or dp > 1, backward_s)
     p.comm_s = p.attention_comm_s + p.gradient_comm_s
     p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
-    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace)
+    p.phases = {}
+    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases)
     p.peak_bytes = p.memory["peak"]
     p.model_flops = graph.total_flops(S) / sp          # per device: its share of one sequence
     p.total_s = p.compute_s + p.exposed_comm_s
@@ -221,14 +227,27 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     return t, t_last + max(0.0, s_comm * (t - t_last) - backward_s)
 
 
-def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float) -> dict[str, float]:
+def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,
+            phases: dict) -> dict[str, float]:
     states = model_states(graph, sp * dp, zero_stage)
     s_loc = S / sp
-    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc)
+    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases)
     extra_layers = untraced_layer_activations(graph, s_loc)
     # The strategy's buffers exist only around attention: they raise the peak only if the
     # schedule is near its peak there (the peak is often at the loss, where they are gone).
     step = max(step_peak, at_attention + workspace) + extra_layers
+    phases["untraced"] = extra_layers
     return {**states, "activations": step_peak + extra_layers - grads_traced, "workspace": workspace,
             "step_peak": step,
             "peak": states["parameters"] + states["optimizer"] + step - grads_traced + states["gradients"]}
+
+
+def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,
+              checkpoint: str = "none", mlp_chunks: int = 1, loss_chunks: int = 1, layout: str | None = None) -> float:
+    """Predicted peak bytes allocated during one step on one device, under the memory decisions
+    (checkpointing, MLP and loss tiling; the same for every layer), as the planner's memory
+    constraints count them: what the memory probe measures."""
+    p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout)
+    tokens = seq_len / sp
+    terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
+    return decided_peak(graph, tokens, terms, {fp: (checkpoint, mlp_chunks) for fp in graph.layer_classes})

@@ -17,7 +17,10 @@ Constraints
   sum_g x_g = 1                                      (one mesh)
   sum_{o in O_{g,c}} y_{g,c,o} = x_g    for all g, c (each class one option, on the chosen mesh)
   sum_g M0_g x_g + sum_{g,c,o} M_{g,c,o} y_{g,c,o} <= M_max
-                                                     (per-device peak memory)
+                                                     (per-device peak memory at the loss)
+  sum_g P_{g,c,f} x_g + sum_{g,c',o} M_{g,c',o} y_{g,c',o} + sum_{g,o in O_{g,c}} E_{g,c,o,f} y_{g,c,o} <= M_max
+                                        for all c, f (... and during the backward of a layer of
+                                                     class c, in its phase f: its MLP, the rest)
 
 Objective
   minimise  sum_g T0_g x_g + sum_{g,c,o} T_{g,c,o} y_{g,c,o}
@@ -25,6 +28,11 @@ Objective
 where T0_g / M0_g are the time / memory outside the layers (embedding, head,
 loss, gradient reduction, parameters and optimizer states) and T_{g,c,o} /
 M_{g,c,o} the time / activation memory of all ``count_c`` layers of class c.
+During one layer's backward the other layers hold what their options keep (M), and
+that layer its recomputed activations: P_{g,c,f} is the rest of the memory then, and
+E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its whole
+recompute under checkpointing, one chunk of a tiled MLP) — see
+:func:`autosp.costmodel.memory.peak_terms`.
 Costs come from :mod:`autosp.costmodel.predict`, scaled to integers
 (microseconds, KiB) because CP-SAT is an integer solver.
 
@@ -47,6 +55,8 @@ class Option:
     time_s: float
     mem_bytes: float
     exposed_s: float = 0.0     # the part of time_s that is exposed communication (for reports)
+    # phase -> bytes that one layer of this option holds during its own backward beyond mem_bytes / count
+    own_bytes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +66,8 @@ class Candidate:
     base_mem_bytes: float
     base_exposed_s: float = 0.0
     options: dict[Hashable, list[Option]] = field(default_factory=dict)   # class -> options
+    # (class, phase) -> memory outside the options while a layer of that class runs its backward
+    phase_mem_bytes: dict[tuple[Hashable, str], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,6 +116,8 @@ def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
             m.Add(sum(vs) == x[g.key])
     m.AddExactlyOne(x.values())
     m.Add(sum(mem_terms) <= _mem_kib(memory_limit))
+    for terms in _phase_terms(cands, x, y).values():
+        m.Add(sum(terms) <= _mem_kib(memory_limit))
     m.Minimize(sum(time_terms))
     out: list[Solution] = []
     for _ in range(k):
@@ -124,9 +138,49 @@ def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
                 sol.time_s += o.time_s
                 sol.mem_bytes += o.mem_bytes
                 chosen.append(v)
+        sol.mem_bytes = peak_bytes(g, sol.choice)
         out.append(sol)
         m.Add(sum(chosen) <= len(chosen) - 1)          # no-good cut: never this assignment again
     return out
+
+
+def _phase_terms(cands: list[Candidate], x: dict, y: dict) -> dict[tuple, list]:
+    """The left-hand sides of the per-(class, phase) memory constraints, as integer terms (a mesh
+    without that phase adds nothing: its own constraints bound it)."""
+    out: dict[tuple, list] = {}
+    for g in cands:
+        for key, base in g.phase_mem_bytes.items():
+            cls, phase = key
+            terms = out.setdefault(key, [])
+            terms.append(_mem_kib(base) * x[g.key])
+            for c, opts in g.options.items():
+                for o in opts:
+                    extra = o.own_bytes.get(phase, 0.0) if c == cls else 0.0
+                    terms.append(_mem_kib(o.mem_bytes + extra) * y[(g.key, c, o.key)][0])
+    return out
+
+
+def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
+    """Predicted peak memory of an assignment on mesh g: the largest of its memory constraints."""
+    opts = {c: next(o for o in g.options[c] if o.key == k) for c, k in choice.items()}
+    shared = sum(o.mem_bytes for o in opts.values())
+    peaks = [g.base_mem_bytes + shared]
+    for (cls, phase), base in g.phase_mem_bytes.items():
+        peaks.append(base + shared + opts[cls].own_bytes.get(phase, 0.0))
+    return max(peaks)
+
+
+def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float) -> bool:
+    opts = {c: next(o for o in g.options[c] if o.key == k) for c, k in choice.items()}
+    shared = [_mem_kib(o.mem_bytes) for o in opts.values()]
+    if _mem_kib(g.base_mem_bytes) + sum(shared) > _mem_kib(memory_limit):
+        return False
+    for (cls, phase), base in g.phase_mem_bytes.items():
+        lhs = _mem_kib(base) + sum(_mem_kib(o.mem_bytes + (o.own_bytes.get(phase, 0.0) if c == cls else 0.0))
+                                   for c, o in opts.items())
+        if lhs > _mem_kib(memory_limit):
+            return False
+    return True
 
 
 def enumerate_all(cands: list[Candidate], memory_limit: float | None = None) -> list[Solution]:
@@ -137,10 +191,9 @@ def enumerate_all(cands: list[Candidate], memory_limit: float | None = None) -> 
         classes = list(g.options)
         for combo in itertools.product(*(g.options[c] for c in classes)):
             t = g.base_time_s + sum(o.time_s for o in combo)
-            mem = g.base_mem_bytes + sum(o.mem_bytes for o in combo)
-            if memory_limit is None or _mem_kib(g.base_mem_bytes) + sum(_mem_kib(o.mem_bytes) for o in combo) \
-                    <= _mem_kib(memory_limit):
-                out.append(Solution(g.key, {c: o.key for c, o in zip(classes, combo)}, t, mem, "enumerated"))
+            choice = {c: o.key for c, o in zip(classes, combo)}
+            if memory_limit is None or _fits(g, choice, memory_limit):
+                out.append(Solution(g.key, choice, t, peak_bytes(g, choice), "enumerated"))
     return sorted(out, key=lambda s: s.time_s)
 
 

@@ -39,7 +39,7 @@ class Plan:
     sp_degree: int
     dp_degree: int
     layout: str
-    # per layer class: class, fingerprint, count, strategy, checkpoint, ulysses_degree, ring_degree
+    # per layer class: class, fingerprint, count, strategy, checkpoint, mlp_chunks, ulysses_degree, ring_degree
     layers: list[dict[str, Any]]
     predicted: dict[str, Any]                 # compute_s, exposed_comm_s, total_s, memory, ...
     profile: str
@@ -48,6 +48,7 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     solver: dict[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
+    loss_chunks: int = 1                      # token chunks of the LM head and loss (1: untiled)
 
     # ------------------------------------------------------------------ io
     def to_json(self) -> str:

@@ -57,7 +57,10 @@ def inspect_table(g: OpGraph):  # -> rich.table.Table
 
 def layer_choices(alternative: dict[str, Any]) -> str:
     """Every layer class's strategy and checkpointing of a plan summary, in one cell."""
-    return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}" for c in alternative["layers"].values())
+    loss = f"; loss in {alternative['loss_chunks']} chunks" if alternative.get("loss_chunks", 1) > 1 else ""
+    return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}"
+                     + (f", MLP in {c['mlp_chunks']} chunks" if c.get("mlp_chunks", 1) > 1 else "")
+                     for c in alternative["layers"].values()) + loss
 
 
 def plan_table(plan) -> list:  # -> list of rich renderables
@@ -75,8 +78,14 @@ def plan_table(plan) -> list:  # -> list of rich renderables
         overlap = layer.get("overlap", "none")
         head.add_row(f"{layer['class']} x{layer['count']}",
                      f"{layer['strategy']} (Ulysses {layer['ulysses_degree']} x ring {layer['ring_degree']}), "
-                     f"checkpoint {layer['checkpoint']}, overlap {overlap}"
+                     f"checkpoint {layer['checkpoint']}, "
+                     + (f"MLP in {layer['mlp_chunks']} token chunks, " if layer.get("mlp_chunks", 1) > 1 else "")
+                     + f"overlap {overlap}"
                      + (f", exposed comm {layer['exposed_comm_s']:.3f} s" if "exposed_comm_s" in layer else ""))
+    head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")
+    saves = pr.get("saved_by", {})
+    if saves:
+        head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in saves.items()))
     head.add_section()
     head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
                               f"{pr['exposed_comm_s']:.3f})")

@@ -11,11 +11,13 @@ runner-ups.
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from typing import Any, Callable
 
-from autosp.costmodel.memory import CHECKPOINTS, MLP_CHUNKS, mlp_saved, model_states, saved_per_layer
+from autosp.costmodel.memory import (CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, layer_saved, mlp_saved, model_states,
+                                     own_bytes, peak_terms)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.errors import AutospError
@@ -35,9 +37,10 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      checkpoints: tuple[str, ...] = CHECKPOINTS,
                      strategies: tuple[str, ...] | None = None,
                      documents: tuple[int, ...] = (), overlap: bool = True,
-                     mlp_chunks: tuple[int, ...] = MLP_CHUNKS) -> tuple[list[Candidate], dict]:
+                     mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
+                     loss_chunks: tuple[int, ...] = LOSS_CHUNKS) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options; ``strategies`` restricts the strategy families, ``mlp_chunks``
-    the token chunks a layer's MLP may run in (1: untiled)."""
+    the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled)."""
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
@@ -48,10 +51,13 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
     for sp in _divisors(world):
         if sp_degrees is not None and sp not in sp_degrees:
             continue
-        mem = saved_per_layer(graph, seq_len / sp)         # per layer class and checkpointing mode
-        tiled = mlp_saved(graph, seq_len / sp)             # what tiling each class's MLP removes of that
-        saved_total = sum(mem[fp]["none"] * lc.count for fp, lc in graph.layer_classes.items())
-        for layout in PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1]:
+        tokens = seq_len / sp
+        tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
+        # per (checkpointing, MLP chunks): what one layer keeps, and holds beyond it in its own backward
+        kept = {(k, c): layer_saved(graph, tokens, k, c) for k in checkpoints for c in mlp_chunks}
+        own = {(fp, k, c): own_bytes(graph, tokens, fp, k, c) for fp in graph.layer_classes
+               for k in checkpoints for c in mlp_chunks}
+        for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
             if seq_len % n_chunks(layout, sp):
                 continue
             mesh = SPMesh(sp, layout, dpn, overlap)
@@ -63,8 +69,12 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                   for st in strats}
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
-            cand = Candidate(key=(sp, layout), base_time_s=first.total_s - layer_time[first.strategy],
-                             base_mem_bytes=first.peak_bytes - saved_total,
+            terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
+                               first.phases["untraced"], first.memory["workspace"], kl)
+            # A tiled loss recomputes the head (and its loss) in backward.
+            cand = Candidate(key=(sp, layout, kl), base_time_s=first.total_s - layer_time[first.strategy]
+                             + (first.head_forward_s if kl > 1 else 0.0),
+                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms,
                              base_exposed_s=first.exposed_comm_s - first.attention_exposed_s)
             for i, (fp, lc) in enumerate(graph.layer_classes.items()):
                 share = lc.count / total_layers
@@ -75,18 +85,18 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
                     for k in checkpoints:
-                        for chunks in mlp_chunks if tiled[fp]["tileable"] else (1,):
+                        for chunks in mlp_chunks if tileable[fp] else (1,):
                             # A tiled MLP recomputes its forward in backward, unless the layer's
                             # full recompute does already; it saves none of its intermediates.
                             again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
-                            saved = mem[fp][k] - (tiled[fp][k] if chunks > 1 else 0.0)
                             opts.append(Option(key=(st, k, chunks),
                                                time_s=share * (layer_time[st] + recompute[k] + again),
-                                               mem_bytes=lc.count * saved + workspace_delta,
-                                               exposed_s=share * p.attention_exposed_s))
+                                               mem_bytes=lc.count * kept[(k, chunks)][fp] + workspace_delta,
+                                               exposed_s=share * p.attention_exposed_s,
+                                               own_bytes=own[(fp, k, chunks)]))
                 cand.options[fp] = opts
             cands.append(cand)
-            preds[cand.key] = ps
+            preds[cand.key[:2]] = ps
     return cands, preds
 
 
@@ -95,11 +105,12 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          dtype: str = "bfloat16", graph: OpGraph | None = None, alternatives: int = 5,
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
-         overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS) -> Plan:
+         overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
+         loss_chunks: tuple[int, ...] = LOSS_CHUNKS) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
-    ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled)
-    and ``strategies`` (strategy families) restrict the space,
+    ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled),
+    ``loss_chunks`` (of the LM head and loss) and ``strategies`` (strategy families) restrict the space,
     ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
     mask within each that the model builds from restarting position ids)."""
@@ -115,7 +126,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     t0 = time.perf_counter()
     cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
-                                    strategies, tuple(documents or ()), overlap, tuple(mlp_chunks))
+                                    strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
+                                    tuple(loss_chunks))
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
     ranked = solve_k_best(cands, limit, alternatives + 1) if cands else []
@@ -137,12 +149,12 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
 
 
 def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, seq_len: int) -> dict[str, Any]:
-    sp, layout = sol.mesh
+    sp, layout, loss_chunks = sol.mesh
     opts = {fp: {o.key: o for o in os} for fp, os in cand.options.items()}
     exposed = cand.base_exposed_s + sum(opts[fp][key].exposed_s for fp, key in sol.choice.items())
     peak = prof.peak_flops(g.dtype)
     flops = g.total_flops(seq_len) / sp
-    return {"sp": sp, "layout": layout,
+    return {"sp": sp, "layout": layout, "loss_chunks": loss_chunks,
             "layers": {fp: {"class": g.layer_classes[fp].module_type, "strategy": st, "checkpoint": k,
                             "mlp_chunks": c} for fp, (st, k, c) in sol.choice.items()},
             "total_s": sol.time_s, "peak_bytes": sol.mem_bytes, "exposed_comm_s": exposed,
@@ -151,7 +163,7 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
 
 def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Solution], cands: dict, world: int,
              dpn: int, limit: float, zero_stage: int, seq_len: int, solver: dict) -> Plan:
-    sp, layout = sol.mesh
+    sp, layout, loss_chunks = sol.mesh
     main = _summary(g, prof, sol, cands[sol.mesh], seq_len)
     mesh = SPMesh(sp, layout, dpn)
     layers = []
@@ -165,14 +177,42 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                        "exposed_comm_s": chosen.exposed_s})
     states = model_states(g, world, zero_stage)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
+    saved_by = _what_each_saves(cands, sol)
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,
                  "memory": memory, "peak_bytes": sol.mem_bytes,
-                 "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"]}
+                 "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"],
+                 "saved_by": saved_by}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, sp_degree=sp, dp_degree=world // sp,
                 layout=layout, layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
                 zero_stage=zero_stage, alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts],
-                solver=solver)
+                solver=solver, loss_chunks=loss_chunks)
+
+
+def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
+    """Peak bytes each memory decision of the plan saves: the plan's peak with that decision undone
+    (checkpointing none, MLPs whole, the loss whole) minus its own, for the decisions taken."""
+    from autosp.planner.ilp import peak_bytes
+
+    cand = cands[sol.mesh]
+    out: dict[str, float] = {}
+
+    def undone(field: int, value: Any) -> float | None:
+        choice = {c: tuple(value if i == field else x for i, x in enumerate(k)) for c, k in sol.choice.items()}
+        keys = {c: {o.key for o in cand.options[c]} for c in choice}
+        if any(choice[c] not in keys[c] for c in choice):
+            return None
+        return peak_bytes(cand, choice) - sol.mem_bytes
+
+    if any(k[1] != "none" for k in sol.choice.values()):
+        out["checkpointing"] = undone(1, "none")
+    if any(k[2] > 1 for k in sol.choice.values()):
+        out["MLP chunks"] = undone(2, 1)
+    sp, layout, loss_chunks = sol.mesh
+    if loss_chunks > 1 and (sp, layout, 1) in cands:
+        whole = cands[(sp, layout, 1)]
+        out["loss chunks"] = peak_bytes(whole, sol.choice) - sol.mem_bytes
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,

@@ -103,6 +103,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
             _check_plan_placement(the_plan)
         strategy, layout, checkpoint = the_plan.strategy(), the_plan.layout, the_plan.checkpoint()
         mlp_chunks = the_plan.mlp_chunks() if mlp_chunks == 1 else mlp_chunks
+        loss_chunks = the_plan.loss_chunks if loss_chunks == 1 else loss_chunks
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
         zero_stage = the_plan.zero_stage if zero_stage is None else zero_stage
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)

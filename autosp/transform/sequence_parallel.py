@@ -237,6 +237,8 @@ class SequenceParallel(nn.Module):
             self.config.checkpoint = plan.checkpoint()      # the planner chose it (else: the caller's)
         if tuple(getattr(self.plan_provider, "mlp_chunks", (1,))) != (1,):
             self.config.mlp_chunks = plan.mlp_chunks()
+        if tuple(getattr(self.plan_provider, "loss_chunks", (1,))) != (1,):
+            self.config.loss_chunks = plan.loss_chunks
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         set_up(self.config, strategies)
         self.plan = plan

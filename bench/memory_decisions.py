@@ -1,0 +1,86 @@
+"""Predicted against measured per-rank step peak, for every memory decision the planner takes.
+
+    python bench/memory_decisions.py [--seq-len 4096] [--degrees 1 2] [--compiler aot_eager]
+
+The bench's tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, MLP 688, vocabulary
+1000), fp32, Ulysses, each of checkpointing none / selective / full with the MLPs whole or
+in 8 token chunks (and the LM head and loss in 8 chunks with full checkpointing). Measured:
+the peak bytes of the tensors allocated during one training step
+(``autosp.tools.memory_probe``, the allocator's view; Inductor's kernels bypass it, hence
+``aot_eager``, which partitions forward and backward the same way). Predicted: the cost
+model's step peak for the same decisions (:func:`autosp.costmodel.predict.step_peak`), the
+quantity the planner's memory constraint adds model states to.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from autosp.tools.launch import spawn_gloo
+
+DECISIONS = [("none", 1, 1), ("selective", 1, 1), ("full", 1, 1), ("none", 8, 1), ("selective", 8, 1),
+             ("full", 8, 1), ("full", 8, 8)]        # (checkpointing, MLP chunks, loss chunks)
+
+
+def tiny():
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+                                   attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def measure(seq_len: int, compiler: str) -> list[dict]:
+    import torch
+
+    import autosp
+    from autosp.tools.memory_probe import step_peak
+
+    ids = torch.randint(0, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for checkpoint, mlp_chunks, loss_chunks in DECISIONS:
+        torch._dynamo.reset()
+        model = tiny()
+        sp = autosp.compile(model, strategy="ulysses", compiler=compiler, checkpoint=checkpoint,
+                            mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
+        sp(input_ids=ids, labels=ids).loss.backward()                 # compile outside the probe
+        model.zero_grad(set_to_none=True)
+        loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
+        rows.append(dict(checkpoint=checkpoint, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, peak=peak,
+                         loss=loss.item()))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--degrees", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--compiler", default="aot_eager")
+    args = ap.parse_args()
+
+    from autosp.costmodel.predict import step_peak
+    from autosp.costmodel.profile import load_profile
+    from autosp.graph import capture
+
+    graph = capture(tiny(), seq_len=args.seq_len, dtype="float32")
+    prof = load_profile("cpu-gloo")
+    print(f"tiny Llama, {args.seq_len} tokens, Ulysses, {args.compiler}; per-rank step peak\n")
+    print("| SP | checkpoint | MLP chunks | loss chunks | measured | predicted | predicted / measured |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for sp in args.degrees:
+        for r in spawn_gloo(measure, sp, threads=1, seq_len=args.seq_len, compiler=args.compiler):
+            pred = step_peak(graph, prof, sp=sp, strategy="ulysses", seq_len=args.seq_len,
+                             checkpoint=r["checkpoint"], mlp_chunks=r["mlp_chunks"], loss_chunks=r["loss_chunks"])
+            worst = max(worst, abs(pred / r["peak"] - 1))
+            print(f"| {sp} | {r['checkpoint']} | {r['mlp_chunks']} | {r['loss_chunks']} | {r['peak'] / 2**20:.1f} MiB "
+                  f"| {pred / 2**20:.1f} MiB | {pred / r['peak']:.3f} |", flush=True)
+    print(f"\nworst |predicted / measured - 1|: {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
