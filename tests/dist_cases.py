@@ -420,7 +420,7 @@ def plan_apply(tmp: str, seq_len: int = 32) -> dict[str, Any]:
                          "ulysses_degree": world, "ring_degree": 1},
                         {"class": "Block", "count": 1, "strategy": "zigzag_ring", "checkpoint": "none",
                          "ulysses_degree": 1, "ring_degree": world}],
-                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0)
+                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0, loss_chunks=2)
     path = f"{tmp}/plan-{dist.get_rank()}.json"
     plan.save(path)
     out = train_compare("reference", seq_len=seq_len, steps=1, strategy="auto", plan=path)

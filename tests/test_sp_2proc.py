@@ -291,6 +291,7 @@ def test_costmodel_predicts_sp2_memory_and_time(pool):
 def test_saved_plan_is_applied_exactly_and_refused_when_it_does_not_match(pool, tmp_path):
     (r, *_rest) = run_ok(pool, "plan_apply", tmp=str(tmp_path))
     check_exact([r], ["ulysses", "zigzag_ring"])
+    assert r["tiled_losses"] == 1                       # the plan's loss in 2 chunks, applied
     assert "for 4 devices but the job runs on 2" in r["wrong_world"]
     assert "sequence length 32, the batch has 64" in r["wrong_len"]
 

@@ -126,13 +126,14 @@ def untraced_layer_activations(graph: OpGraph, tokens: float) -> float:
 
 def tiled_region(graph: OpGraph, block: int) -> str | None:
     """The child module of a captured block that ``mlp_chunks`` tiles: the one whose forward is
-    matmuls, pointwise ops and views only, with a matmul (the transform's rule, on aten ops)."""
-    kinds: dict[str, set[OpKind]] = {}
+    matmuls, pointwise ops and views only, with two matmuls at least (the transform's rule, on
+    aten ops)."""
+    kinds: dict[str, list[OpKind]] = {}
     for a in graph.nodes(phase="fwd", layer=block):
         if a.region is not None:
-            kinds.setdefault(a.region, set()).add(a.kind)
+            kinds.setdefault(a.region, []).append(a.kind)
     allowed = {OpKind.MATMUL, OpKind.POINTWISE, OpKind.VIEW}
-    return next((name for name, ks in kinds.items() if OpKind.MATMUL in ks and ks <= allowed), None)
+    return next((name for name, ks in kinds.items() if ks.count(OpKind.MATMUL) >= 2 and set(ks) <= allowed), None)
 
 
 def mlp_saved(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:

@@ -235,8 +235,9 @@ def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
 
 def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
                      limit: float) -> str:
-    gib = limit / 2 ** 30
-    head = f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {gib:.1f} GiB each"
+    size = f"{limit / 2 ** 30:.1f} GiB" if limit >= 2 ** 30 else f"{limit / 2 ** 20:.0f} MiB"
+    head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each, with any "
+            f"checkpointing and MLP / loss tiling")
     for z in range(zero_stage + 1, 4):
         if _fits(g, prof, world, dpn, z, seq_len, limit):
             return f"{head} with ZeRO stage {zero_stage}; ZeRO stage {z} fits (--zero-stage {z})"

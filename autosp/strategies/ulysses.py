@@ -175,9 +175,11 @@ class Ulysses(Strategy):
             kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
                                  shape.causal and not shape.masked, k)]],
             transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes, k),
-            # send and receive buffers: all of Q, K, V, O at once unpipelined; pipelined, about
-            # three groups' worth (the group attending, the next one's inputs, the last output)
-            workspace_bytes=2 * shape.bytes(shape.heads, s_loc) * (1 if k == 1 else min(1.0, 3 / k)))
+            # unpipelined, one all-to-all's receive buffer beside its result (the send buffer is
+            # freed first); pipelined, send and receive buffers of about three groups (the group
+            # attending, the next one's inputs, the last output) stay in flight
+            workspace_bytes=shape.bytes(shape.heads, s_loc) if k == 1 else
+            2 * shape.bytes(shape.heads, s_loc) * min(1.0, 3 / k))
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "chunks": self.chunks}

@@ -14,8 +14,10 @@ policy of torch's selective-checkpoint contexts). Through AOTAutograd (``aot_eag
 ``inductor``): each node of a checkpointed layer is tagged with a recompute policy and
 its layer's checkpoint id (``node.meta["recompute"]``, ``["ac_graph_id"]``, the tags
 ``torch.utils.checkpoint`` leaves under torch.compile); AOTAutograd copies them onto the
-aten ops each node becomes, and its partitioner saves or recomputes accordingly. The user
-never wraps layers and nothing in torch is replaced process-wide.
+aten ops each node becomes, and its partitioner saves or recomputes accordingly. Under
+``full`` a layer's output is kept (as the region's output is under torch.utils.checkpoint),
+and with a tiled MLP (:mod:`autosp.transform.tiled_mlp`) the MLP block is a region of its
+own. The user never wraps layers and nothing in torch is replaced process-wide.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ and a cross-entropy over them: at 16k local tokens and a 128k vocabulary that is
 fp32 logits, plus their gradient, per rank. After the sharding pass this pass finds the
 global cross-entropy whose input is such a head (through views and dtype casts) and
 replaces the pair with :func:`chunked_head_loss`: each chunk's logits are made, reduced to
-its loss sum and freed; backward recomputes them chunk by chunk (non-reentrant
-``torch.utils.checkpoint``), so at most one chunk's logits and their gradient are alive.
+its loss sum and freed; backward recomputes them chunk by chunk (eagerly: non-reentrant
+``torch.utils.checkpoint``; through AOTAutograd: one graph node per chunk carrying the
+recompute tags its partitioner follows, :func:`_chunked_nodes`), so at most one chunk's
+logits and their gradient are alive.
 Exact: the same matmul and log-softmax per token; only the order of the final sum
 changes. The model's logits output becomes an empty tensor: the logits are what it saves.
 """

@@ -13,7 +13,7 @@ After the sharding pass, each child module of a transformer layer is a candidate
 (its nodes in the graph, by ``nn_module_stack``). A region is tiled when it is token-wise
 by construction: only linear layers and pointwise ops, no sizes read or passed (a ``view``
 to a shape would not survive chunking), one sequence-sharded tensor in, one out, at least
-one matmul. Attention, mixture-of-experts routing and norms are left alone.
+two matmuls (the intermediates lie between them). Attention, mixture-of-experts routing and norms are left alone.
 
 The region becomes a submodule called once per chunk (``tensor_split`` in, ``cat`` out).
 How each call recomputes (the input is cut by :func:`token_split`): with the eager compiler the submodule runs under
@@ -94,7 +94,9 @@ def _regions(gm: fx.GraphModule, layer_paths: list[str]) -> list[tuple[int, list
 def _tileable(nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node, int] | None:
     """(the sequence-sharded input, the output, the sequence dim) of a region that may run in chunks."""
     inside = set(nodes)
-    if not all(_token_wise(n) for n in nodes) or not any(n.target in _LINEAR for n in nodes):
+    # Two matmuls at least: an MLP's intermediates lie between them (one linear layer alone has
+    # nothing inside to free, and tiling it would only recompute it).
+    if not all(_token_wise(n) for n in nodes) or sum(n.target in _LINEAR for n in nodes) < 2:
         return None
     outside_in = {a for n in nodes for a in n.all_input_nodes if a not in inside}
     seq_in = [a for a in outside_in if a.meta.get("autosp_seq")]
