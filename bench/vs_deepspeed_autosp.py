@@ -69,20 +69,22 @@ def _ids(seq_len: int):
     return torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
 
 
-def _measure(step, repeats: int) -> tuple[float, int, float]:
-    """(median step seconds, max per-rank peak step bytes, first loss)."""
+def _measure(step, repeats: int) -> tuple[float, int, float, float]:
+    """(median step seconds, max per-rank peak step bytes, first loss, first step's seconds: the compile)."""
     import torch.distributed as dist
 
     from autosp.tools.memory_probe import RssPeak
 
+    t0 = time.perf_counter()
     first = step()
+    first_s = time.perf_counter() - t0
     step()
     seconds = median_time(step, repeats, dist.barrier)
     with RssPeak() as rss:
         step()
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, rss.peak)
-    return seconds, max(peaks), first
+    return seconds, max(peaks), first, first_s
 
 
 def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
@@ -102,12 +104,12 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    seconds, peak, loss = _measure(step, repeats)
+    seconds, peak, loss, first_s = _measure(step, repeats)
     plan = getattr(sp, "plan", None)
     chosen = "" if plan is None else "; ".join(
         f"{layer['strategy']}, {layer['checkpoint']}, MLP x{layer.get('mlp_chunks', 1)}" for layer in plan.layers) \
         + f", loss x{plan.loss_chunks}"
-    return dict(step_s=seconds, peak=peak, loss=loss, plan=chosen)
+    return dict(step_s=seconds, peak=peak, loss=loss, plan=chosen, first_s=first_s)
 
 
 def _register_causal_sdpa() -> str:
@@ -169,8 +171,8 @@ def _deepspeed_step(engine, sp: int, seq_len: int):
 
 def run_deepspeed(seq_len: int, repeats: int, config: dict) -> dict:
     engine, sp = _deepspeed_engine()
-    seconds, peak, loss = _measure(_deepspeed_step(engine, sp, seq_len), repeats)
-    return dict(step_s=seconds, peak=peak, loss=loss)
+    seconds, peak, loss, first_s = _measure(_deepspeed_step(engine, sp, seq_len), repeats)
+    return dict(step_s=seconds, peak=peak, loss=loss, first_s=first_s)
 
 
 def _longest_under(make_step, cap_bytes: float, step_tokens: int, max_len: int) -> int:
@@ -259,16 +261,17 @@ def main() -> None:
     t0 = time.perf_counter()
     print("tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, vocabulary 1000), batch 1, 2 gloo ranks, "
           "1 thread each, full AdamW step\n")
-    print("| S | system | step (s) | vs AutoSP | peak step memory / rank | vs AutoSP | first loss (1 process) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| S | system | step (s) | vs AutoSP | peak step memory / rank | vs AutoSP | first loss (1 process) "
+          "| first step (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
         single = one_process_loss(seq_len)
         rows = {s: measure(s, seq_len, args.repeats) for s in systems}
         base = rows["DeepSpeed AutoSP"]
         for s, r in rows.items():
             print(f"| {seq_len} | {s} | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x | "
-                  f"{r['peak'] / 2**20:.0f} MB | {r['peak'] / base['peak']:.2f}x | {r['loss']:.5f} ({single:.5f}) |",
-                  flush=True)
+                  f"{r['peak'] / 2**20:.0f} MB | {r['peak'] / base['peak']:.2f}x | {r['loss']:.5f} ({single:.5f}) | "
+                  f"{r['first_s']:.1f} |", flush=True)
         for s, r in rows.items():
             if r.get("plan"):
                 print(f"  ({s} at {seq_len}: the planner chose {r['plan']})")
