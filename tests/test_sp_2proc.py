@@ -242,9 +242,9 @@ def test_tiled_head_and_loss_never_holds_the_whole_shards_logits(pool):
 
 @pytest.mark.parametrize("strategy,compiler,checkpoint,again", [
     ("ring", "eager", "none", {}),
-    # through AOTAutograd with full checkpointing and the tiled loss: the chunks are recomputed
-    # inside each layer's recompute (its four all-to-alls again), the loss chunk by chunk
-    ("ulysses", "aot_eager", "full", {"all_to_all": 8})])
+    # through AOTAutograd with full checkpointing of layer 1 and the tiled loss: the chunks are
+    # recomputed inside its recompute (its four all-to-alls again), the loss chunk by chunk
+    ("ulysses", "aot_eager", ["none", "full"], {"all_to_all": 4})])
 def test_tiled_mlp_is_exact(pool, strategy, compiler, checkpoint, again):
     res = run_ok(pool, "train_compare", kind="llama", strategy=strategy, mlp_chunks=4, steps=1, compiler=compiler,
                  checkpoint=checkpoint, loss_chunks=4 if compiler != "eager" else 1)
@@ -254,15 +254,15 @@ def test_tiled_mlp_is_exact(pool, strategy, compiler, checkpoint, again):
     check_ran(res[0], strategy, world=2, also=again)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_tiled_mlp_never_holds_a_whole_layers_intermediates(pool, compiler):
-    r = run_ok(pool, "mlp_tiling_memory", compiler=compiler)[0]
+def test_tiled_mlp_never_holds_a_whole_layers_intermediates(pool):
+    # Through AOTAutograd (the compiled path, where the partitioner must follow the chunks' tags).
+    r = run_ok(pool, "mlp_tiling_memory", compiler="aot_eager", seq_len=512)[0]
     assert r[1]["tiled"] == 0 and r[8]["tiled"] == 2, r
     assert r[1]["loss_err"] < 1e-6 and r[8]["loss_err"] < 1e-6, r
-    # 512 local tokens x 1024 intermediate features: 2 MiB per fp32 tensor. Whole, each layer
-    # keeps gate, up, their activation and product for backward (4 x 2 MiB x 2 layers); in 8
+    # 256 local tokens x 1024 intermediate features: 1 MiB per fp32 tensor. Whole, each layer
+    # keeps gate, up, their activation and product for backward (4 x 1 MiB x 2 layers); in 8
     # chunks one chunk's (1/8) is alive at a time, recomputed in its backward.
-    assert r[1]["peak"] - r[8]["peak"] > 12 * 2**20, r
+    assert r[1]["peak"] - r[8]["peak"] > 6 * 2**20, r
 
 
 def test_padding_that_would_enter_a_router_loss_is_refused(pool):
@@ -386,7 +386,8 @@ def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compi
 @pytest.mark.parametrize("mode,strategy,compiler,again", [
     ("selective", "ulysses", "eager", {}), (["full", "none"], "ring", "eager", {"send_recv": 1}),
     # through AOTAutograd the layers' nodes carry recompute tags its partitioner follows
-    ("selective", "ring", "aot_eager", {}), (["none", "full"], "ulysses", "aot_eager", {"all_to_all": 4})])
+    # (["none", "full"] through AOTAutograd: test_tiled_mlp_is_exact, with its MLPs tiled)
+    ("selective", "ring", "aot_eager", {})])
 def test_activation_checkpointing_is_exact(pool, mode, strategy, compiler, again):
     res = run_ok(pool, "train_compare", kind="llama", strategy=strategy, checkpoint=mode, steps=2, compiler=compiler)
     check_exact(res, [strategy] * 2)

@@ -98,7 +98,7 @@ def _head_of(x: Any) -> tuple[fx.Node | None, list[fx.Node], bool]:
         if x.op == "call_function" and x.target in _LINEAR:
             return x, chain, upcast
         passes = (x.op == "call_method" and x.target in _PASS_METHODS) or \
-                 (x.op == "call_function" and x.target in _PASS_FUNCTIONS)
+                 (x.op == "call_function" and x.target in _PASS_FUNCTIONS) or _keeps_last_dim(x)
         if not passes:
             return None, chain, upcast
         upcast |= x.op == "call_method" and (x.target == "float" or (
@@ -106,6 +106,16 @@ def _head_of(x: Any) -> tuple[fx.Node | None, list[fx.Node], bool]:
         chain.append(x)
         x = x.args[0]
     return None, chain, upcast
+
+
+def _keeps_last_dim(x: fx.Node) -> bool:
+    """A ``.flatten(...)`` that merges token dims only (the vocabulary stays the last dim, as
+    ``logits.flatten(0, 1)``): to the chunked loss, which flattens tokens itself, a view."""
+    if x.op != "call_method" or x.target != "flatten" or not isinstance(x.args[0], fx.Node):
+        return False
+    before, after = x.args[0].meta.get("example_value"), x.meta.get("example_value")
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.dim() >= 2 \
+        and isinstance(before.shape[-1], int) and before.shape[-1] == after.shape[-1]
 
 
 def tile_head_loss(gm: fx.GraphModule, chunks: int, group_name: str, aot: bool = False) -> int:
