@@ -18,8 +18,13 @@ def _random_instance(rng: random.Random) -> tuple[list[Candidate], float]:
     for g in range(rng.randint(1, 4)):
         c = Candidate(key=("mesh", g), base_time_s=rng.uniform(0.1, 2), base_mem_bytes=rng.uniform(1e9, 2e10))
         for cls in range(rng.randint(1, 3)):
+            # with the per-(class, phase) constraints of a layer's own backward (holding its recompute)
             c.options[f"class{cls}"] = [Option(key=("opt", j), time_s=rng.uniform(0.01, 3),
-                                               mem_bytes=rng.uniform(1e8, 3e10)) for j in range(rng.randint(1, 5))]
+                                               mem_bytes=rng.uniform(1e8, 3e10),
+                                               own_bytes={"mlp": rng.uniform(0, 1e10), "rest": rng.uniform(0, 1e10)})
+                                        for j in range(rng.randint(1, 5))]
+            for phase in ("mlp", "rest"):
+                c.phase_mem_bytes[(f"class{cls}", phase)] = rng.uniform(1e9, 2e10)
         cands.append(c)
     return cands, rng.uniform(1e10, 6e10)
 

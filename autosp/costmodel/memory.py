@@ -180,14 +180,6 @@ def layer_saved(graph: OpGraph, tokens: float, checkpoint: str, mlp_chunks: int)
             for fp in mem}
 
 
-def decisions_delta(graph: OpGraph, tokens: float, checkpoint: str = "none", mlp_chunks: int = 1,
-                    loss_chunks: int = 1) -> float:
-    """Change of the step peak (bytes per device) from the memory decisions (the same for every
-    layer class), against none of them, as the planner counts it: each layer's saved bytes."""
-    base, chosen = layer_saved(graph, tokens, "none", 1), layer_saved(graph, tokens, checkpoint, mlp_chunks)
-    return sum(lc.count * (chosen[fp] - base[fp]) for fp, lc in graph.layer_classes.items())
-
-
 LOSS_CHUNKS = (1, 8)           # token chunks of the LM head and loss the planner chooses between
 
 
@@ -232,7 +224,7 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
 
 def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]]) -> float:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices."""
-    shared = sum(lc.count * layer_saved(graph, tokens, *choice[fp], )[fp] for fp, lc in graph.layer_classes.items())
+    shared = sum(lc.count * layer_saved(graph, tokens, *choice[fp])[fp] for fp, lc in graph.layer_classes.items())
     peaks = [terms["loss"] + shared]
     for key, base in terms.items():
         if key != "loss":

@@ -64,7 +64,7 @@ class Prediction:
     layer_compute_s: float = 0.0        # all compute inside layers
     mlp_forward_s: float = 0.0          # forward compute of the layers' tileable MLPs: what tiling recomputes
     head_forward_s: float = 0.0         # forward matmuls and loss outside the layers: what a tiled loss recomputes
-    phases: dict = None                 # where the schedule peaks (autosp.costmodel.memory._phases)
+    phases: dict | None = None          # where the schedule peaks (autosp.costmodel.memory._phases)
     attention_comm_s: float = 0.0
     attention_exposed_s: float = 0.0
     gradient_comm_s: float = 0.0

@@ -22,7 +22,7 @@ from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
-from autosp.planner.ilp import Candidate, Option, Solution, solve, solve_k_best
+from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, solve, solve_k_best
 from autosp.planner.plan import Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
 from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
@@ -57,6 +57,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         kept = {(k, c): layer_saved(graph, tokens, k, c) for k in checkpoints for c in mlp_chunks}
         own = {(fp, k, c): own_bytes(graph, tokens, fp, k, c) for fp in graph.layer_classes
                for k in checkpoints for c in mlp_chunks}
+        by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
             if seq_len % n_chunks(layout, sp):
                 continue
@@ -64,9 +65,11 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             strats = candidates(mesh, shape, strategies)
             if not strats:
                 continue
-            ps = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len, dp=world // sp,
-                                   zero_stage=zero_stage, devices_per_node=dpn, documents=documents)
-                  for st in strats}
+            if layout not in by_layout:
+                by_layout[layout] = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len,
+                                                      dp=world // sp, zero_stage=zero_stage, devices_per_node=dpn,
+                                                      documents=documents) for st in strats}
+            ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
             terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
@@ -192,8 +195,6 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
 def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
     """Peak bytes each memory decision of the plan saves: the plan's peak with that decision undone
     (checkpointing none, MLPs whole, the loss whole) minus its own, for the decisions taken."""
-    from autosp.planner.ilp import peak_bytes
-
     cand = cands[sol.mesh]
     out: dict[str, float] = {}
 
