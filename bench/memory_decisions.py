@@ -42,10 +42,12 @@ def measure(seq_len: int, compiler: str) -> list[dict]:
 
     ids = torch.randint(0, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
     rows = []
+    # One rank runs what autosp runs there (attention as it is), more run Ulysses.
+    strategy = "ulysses" if torch.distributed.get_world_size() > 1 else "auto"
     for checkpoint, mlp_chunks, loss_chunks in DECISIONS:
         torch._dynamo.reset()
         model = tiny()
-        sp = autosp.compile(model, strategy="ulysses", compiler=compiler, checkpoint=checkpoint,
+        sp = autosp.compile(model, strategy=strategy, compiler=compiler, checkpoint=checkpoint,
                             mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
         sp(input_ids=ids, labels=ids).loss.backward()                 # compile outside the probe
         model.zero_grad(set_to_none=True)

@@ -136,8 +136,10 @@ def tiled_region(graph: OpGraph, block: int) -> str | None:
     return next((name for name, ks in kinds.items() if ks.count(OpKind.MATMUL) >= 2 and set(ks) <= allowed), None)
 
 
-def mlp_saved(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:
-    """Per layer class, what tiling its MLP removes from one layer's saved bytes, per checkpointing."""
+def mlp_saved(graph: OpGraph, tokens: float, compiled: bool = True) -> dict[str, dict[str, float]]:
+    """Per layer class, what tiling its MLP removes from one layer's saved bytes, per checkpointing
+    (``compiled``: of what the partitioner saves, else of what eager autograd saves)."""
+    kept = partitioned_saved(graph) if compiled else None
     out = {}
     for fp, lc in graph.layer_classes.items():
         block = lc.captured[0]
@@ -149,33 +151,120 @@ def mlp_saved(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:
                 continue
             # Not a view of what enters: that is the MLP's input, which the chunks save too.
             if a.kind != OpKind.VIEW or any(p in inside for p in graph.graph.predecessors(a.name)):
-                saved += evaluate(a.bytes_saved, tokens)
+                if kept is None:
+                    saved += evaluate(a.bytes_saved, tokens)
+                elif a.name in kept:
+                    saved += evaluate(a.bytes_written, tokens)
                 if a.kind == OpKind.MATMUL:
                     outputs += evaluate(a.bytes_written, tokens)
-        out[fp] = {"none": saved, "selective": outputs, "full": 0.0, "tileable": float(region is not None)}
+        # Compiled under checkpointing, the tiled MLP is its own recompute region, whose input is
+        # kept: one hidden state more (eagerly, the chunks nest in the layer's region).
+        emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
+        hidden = evaluate(emb.bytes_written, tokens) if emb and compiled else 0.0
+        out[fp] = {"none": saved, "selective": outputs - hidden, "full": -hidden, "tileable": float(region is not None)}
     return out
 
 
-def saved_per_layer(graph: OpGraph, tokens: float) -> dict[str, dict[str, float]]:
-    """Per layer class: saved activation bytes of one layer under each checkpointing choice."""
+# Ops the partitioner never recomputes (compute-bound, or communication), and the backward
+# readers that are not fused with a recompute (so what they read is materialised anyway).
+_UNFUSIBLE = (OpKind.MATMUL, OpKind.ATTENTION, OpKind.COLLECTIVE, OpKind.EMBEDDING, OpKind.OTHER)
+
+
+def partitioned_saved(graph: OpGraph) -> set[str]:
+    """The forward ops whose outputs AOTAutograd's min-cut partitioner saves for the backward
+    when nothing is tagged (checkpointing ``none`` on the compiled path), read off the captured
+    joint graph with the partitioner's rules:
+
+      * the backward needs what eager autograd saves (ops with ``bytes_saved``);
+      * a needed value is saved, or recomputed from saved values by fusible ops (pointwise,
+        reductions, views, creation, the loss's log-softmax);
+      * never recomputed: matmuls, attention, collectives, embeddings; an op a non-fusible
+        backward op reads (a matmul's input for its weight gradient: it is materialised
+        anyway); a reduction whose output is 4x smaller than its inputs (a norm's statistics);
+      * of the cuts that satisfy these, the one saving the fewest bytes (a max-flow min-cut,
+        node capacities = output bytes at the captured length; views cost their base).
+
+    Eager autograd instead saves every needed value as it is: a pointwise chain's inputs and
+    intermediates, where the partitioner keeps one tensor and recomputes the rest."""
+    cached = graph.__dict__.get("_partitioned_saved")
+    if cached is not None:
+        return cached
+    import networkx as nx
+
+    g, n_tok = graph.graph, graph.seq_len
+    fwd = [n for n in g.nodes if graph.op(n).phase == "fwd" and graph.op(n).holds_memory]
+    fwd_set = set(fwd)
+
+    def size(n: str) -> float:
+        return float(evaluate(graph.op(n).bytes_written, n_tok))
+
+    def bwd_readers(n: str) -> list[str]:
+        """Backward ops reading ``n``, directly or through forward views of it."""
+        out, todo, seen = [], [n], {n}
+        while todo:
+            for u in g.successors(todo.pop()):
+                if graph.op(u).phase == "bwd":
+                    out.append(u)
+                elif graph.op(u).kind == OpKind.VIEW and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+        return out
+
+    flow = nx.DiGraph()
+    for n in fwd:
+        a = graph.op(n)
+        readers = bwd_readers(n)
+        ins = [p for p in g.predecessors(n) if p in fwd_set]
+        inputs = sum(size(p) for p in ins)
+        banned = a.kind in _UNFUSIBLE or any(graph.op(u).kind in _UNFUSIBLE for u in readers) \
+            or (a.kind == OpKind.REDUCTION and 4 * size(n) < inputs)
+        flow.add_edge(n + ":in", n + ":out", capacity=float("inf") if a.kind == OpKind.VIEW else size(n))
+        if banned and a.kind != OpKind.VIEW:
+            flow.add_edge("source", n + ":in")                  # only saving it brings it back
+        if any(graph.op(u).phase == "bwd" for u in g.successors(n)):
+            flow.add_edge(n + ":out", "sink")                   # the backward reads it
+        for p in ins:
+            flow.add_edge(p + ":out", n + ":in")
+    if "source" not in flow or "sink" not in flow:
+        out: set[str] = set()
+    else:
+        _, (reach, _) = nx.minimum_cut(flow, "source", "sink")
+        out = {n for n in fwd if n + ":in" in reach and n + ":out" not in reach}
+    graph.__dict__["_partitioned_saved"] = out
+    return out
+
+
+def saved_per_layer(graph: OpGraph, tokens: float, compiled: bool = True) -> dict[str, dict[str, float]]:
+    """Per layer class: saved activation bytes of one layer under each checkpointing choice;
+    ``compiled``: through AOTAutograd's partitioner (the default compile path), else as eager
+    autograd saves them (what the captured schedule holds)."""
     emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
     hidden = evaluate(emb.bytes_written, tokens) if emb else 0.0
+    kept = partitioned_saved(graph) if compiled else None
     out = {}
     for fp, lc in graph.layer_classes.items():
         saved = sel = 0.0
         for a in graph.nodes(phase="fwd", layer=lc.captured[0]):
-            saved += evaluate(a.bytes_saved, tokens)
+            if kept is None:
+                saved += evaluate(a.bytes_saved, tokens)
+            elif a.name in kept:
+                saved += evaluate(a.bytes_written, tokens)
             if a.kind in (OpKind.MATMUL, OpKind.ATTENTION):
                 # Selective checkpointing keeps every output of these ops for the recompute (whether
                 # or not autograd saves it), and recomputes the rest.
                 sel += evaluate(a.bytes_written, tokens)
-        out[fp] = {"none": saved, "selective": min(sel + hidden, saved), "full": min(hidden, saved)}
+        # Eagerly, a checkpointed region also keeps its input; compiled, the tags save what they
+        # name and the partitioner recomputes the residual stream from them.
+        out[fp] = {"none": saved, "selective": sel if compiled else min(sel + hidden, saved),
+                   "full": min(hidden, saved)}
     return out
 
 
-def layer_saved(graph: OpGraph, tokens: float, checkpoint: str, mlp_chunks: int) -> dict[str, float]:
-    """Per layer class: what one layer keeps for backward under a checkpointing mode and MLP tiling."""
-    mem, tiled = saved_per_layer(graph, tokens), mlp_saved(graph, tokens)
+def layer_saved(graph: OpGraph, tokens: float, checkpoint: str, mlp_chunks: int,
+                compiled: bool = True) -> dict[str, float]:
+    """Per layer class: what one layer keeps for backward under a checkpointing mode and MLP tiling
+    (``compiled``: on the compiled path, else eagerly: see :func:`saved_per_layer`)."""
+    mem, tiled = saved_per_layer(graph, tokens, compiled), mlp_saved(graph, tokens, compiled)
     return {fp: mem[fp][checkpoint] - (tiled[fp][checkpoint] if mlp_chunks > 1 and tiled[fp]["tileable"] else 0.0)
             for fp in mem}
 
@@ -197,9 +286,10 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
         (c, "rest")     nonstep + untraced + rest_c + workspace - sum_c count_c s_c(none)
     where ``nonstep`` is what exists outside the step (parameters, optimizer states, gradients)
     and ``untraced`` the saved activations of the layers not traced."""
-    s_none = layer_saved(graph, tokens, "none", 1)
+    s_none = layer_saved(graph, tokens, "none", 1, compiled=False)      # what the captured schedule holds
     total = sum(lc.count * s_none[fp] for fp, lc in graph.layer_classes.items())
-    head = phases["loss_start"] + (phases["loss"] - phases["loss_start"]) / loss_chunks
+    head = phases["loss_start"] + (phases["loss"] - phases["loss_start"] + loss_gradient_buffer(graph, tokens)) \
+        / loss_chunks
     out: dict[Any, float] = {"loss": nonstep + untraced + head - total}
     for fp, lc in graph.layer_classes.items():
         block = max(lc.captured)          # the class's last traced layer: its backward runs first
@@ -211,23 +301,49 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
     return out
 
 
+def loss_gradient_buffer(graph: OpGraph, tokens: float) -> float:
+    """What the compiled backward of the loss holds beyond eager autograd's: AOTAutograd's
+    ``nll_loss_backward`` writes into a zero-filled tensor of the log-probabilities' size, alive
+    beside its result and the log-softmax's gradient (eagerly, that buffer is the result)."""
+    return sum(evaluate(a.bytes_written, tokens) for a in graph.nodes(phase="bwd", kind=OpKind.LOSS)
+               if "nll_loss_backward" in a.target)
+
+
 def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunks: int) -> dict[str, float]:
     """What one layer of class ``fp`` holds during its own backward beyond what its option keeps:
     its activations come back as without checkpointing (recomputed), a tiled MLP's one chunk at a
-    time."""
-    none = layer_saved(graph, tokens, "none", 1)[fp]
+    time. A checkpointed layer's tiled MLP is its own recompute region (compiled), whose backward
+    runs before the rest of the layer is recomputed: then only the chunk is back."""
+    none = layer_saved(graph, tokens, "none", 1, compiled=False)[fp]   # what its backward reads
     kept = layer_saved(graph, tokens, checkpoint, mlp_chunks)[fp]
-    tiled = mlp_saved(graph, tokens)[fp]
-    shrink = (1 - 1 / mlp_chunks) * tiled["none"] if mlp_chunks > 1 and tiled["tileable"] else 0.0
-    return {"mlp": none - kept - shrink, "rest": none - kept}
+    tiled = mlp_saved(graph, tokens, compiled=False)[fp]
+    if mlp_chunks == 1 or not tiled["tileable"]:
+        return {"mlp": none - kept, "rest": none - kept}
+    chunk = tiled["none"] / mlp_chunks
+    mlp = chunk if checkpoint != "none" else none - kept - (tiled["none"] - chunk)
+    return {"mlp": mlp, "rest": none - kept}
 
 
-def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]]) -> float:
-    """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices."""
-    shared = sum(lc.count * layer_saved(graph, tokens, *choice[fp])[fp] for fp, lc in graph.layer_classes.items())
+def strategy_saved(attention_saved: float, checkpoint: str) -> dict[str, float]:
+    """What a strategy's own saved tensors (:attr:`AttentionCost.saved_bytes`, per layer) add to a
+    layer's option: kept under ``none`` and ``selective`` (a collective's result is never
+    recomputed), recomputed in the layer's own backward under ``full``."""
+    if checkpoint == "full":
+        return {"kept": 0.0, "own": attention_saved}
+    return {"kept": attention_saved, "own": 0.0}
+
+
+def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]],
+                 attention_saved: dict[str, float] | None = None) -> float:
+    """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices;
+    ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`)."""
+    extra = {fp: strategy_saved((attention_saved or {}).get(fp, 0.0), choice[fp][0]) for fp in graph.layer_classes}
+    shared = sum(lc.count * (layer_saved(graph, tokens, *choice[fp])[fp] + extra[fp]["kept"])
+                 for fp, lc in graph.layer_classes.items())
     peaks = [terms["loss"] + shared]
     for key, base in terms.items():
         if key != "loss":
             fp, phase = key
-            peaks.append(base + shared + own_bytes(graph, tokens, fp, *choice[fp])[phase])
+            peaks.append(base + shared + own_bytes(graph, tokens, fp, *choice[fp])[phase]
+                         + (extra[fp]["own"] if phase == "rest" else 0.0))
     return max(peaks)

@@ -67,6 +67,7 @@ class Prediction:
     phases: dict | None = None          # where the schedule peaks (autosp.costmodel.memory._phases)
     attention_comm_s: float = 0.0
     attention_exposed_s: float = 0.0
+    attention_saved: dict | None = None  # per layer class: bytes one layer's strategy keeps for backward
     gradient_comm_s: float = 0.0
 
 
@@ -182,6 +183,11 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 if a.region in mlps:
                     p.mlp_forward_s += w * (t + profile.op_overhead_s)
 
+    p.attention_saved = {}
+    for fp, lc in graph.layer_classes.items():
+        p.attention_saved[fp] = sum(costs[attention_shape(a, S, graph.attention_dropout, documents)][0].saved_bytes
+                                    for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=lc.captured[0])
+                                    ) if sp > 1 else 0.0
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
                                                          reduce_grads or dp > 1, backward_s)
     p.comm_s = p.attention_comm_s + p.gradient_comm_s
@@ -250,4 +256,5 @@ def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: st
     p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout)
     tokens = seq_len / sp
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
-    return decided_peak(graph, tokens, terms, {fp: (checkpoint, mlp_chunks) for fp in graph.layer_classes})
+    return decided_peak(graph, tokens, terms, {fp: (checkpoint, mlp_chunks) for fp in graph.layer_classes},
+                        p.attention_saved)

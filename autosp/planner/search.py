@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Callable
 
 from autosp.costmodel.memory import (CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, layer_saved, mlp_saved, model_states,
-                                     own_bytes, peak_terms)
+                                     own_bytes, peak_terms, strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.errors import AutospError
@@ -92,11 +92,14 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                             # A tiled MLP recomputes its forward in backward, unless the layer's
                             # full recompute does already; it saves none of its intermediates.
                             again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
+                            ours = strategy_saved(p.attention_saved[fp], k)
+                            mine = own[(fp, k, chunks)]
                             opts.append(Option(key=(st, k, chunks),
                                                time_s=share * (layer_time[st] + recompute[k] + again),
-                                               mem_bytes=lc.count * kept[(k, chunks)][fp] + workspace_delta,
+                                               mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"])
+                                               + workspace_delta,
                                                exposed_s=share * p.attention_exposed_s,
-                                               own_bytes=own[(fp, k, chunks)]))
+                                               own_bytes={"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"]}))
                 cand.options[fp] = opts
             cands.append(cand)
             preds[cand.key[:2]] = ps

@@ -110,6 +110,9 @@ class AttentionCost:
     kernels: list[list[KernelCall]]    # per rank, its forward calls (backward: the same shapes)
     transfers: list[Transfer]
     workspace_bytes: float             # transient buffers alive around the op
+    # Kept for the backward beyond the attention's own inputs and output, per op: a collective's
+    # result that the next matmul's weight gradient reads (Ulysses' output all-to-all).
+    saved_bytes: float = 0.0
 
 
 class Strategy(ABC):

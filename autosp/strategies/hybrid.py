@@ -90,7 +90,8 @@ class Hybrid(Strategy):
             kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads / u, r),
             transfers=all_to_all_transfers(shape, u, s_loc, False)
             + ring_transfers(2 * kv_bytes, r, mesh.crosses_nodes, shape.elem_bytes),
-            workspace_bytes=ring_workspace(shape, mesh))
+            workspace_bytes=ring_workspace(shape, mesh),
+            saved_bytes=shape.bytes(shape.heads, s_loc))       # the output all-to-all's result
 
     def setup(self, group: Any) -> dict[str, Any]:
         """Create the Ulysses (consecutive ranks) and ring groups; every rank creates every group."""

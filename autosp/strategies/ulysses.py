@@ -179,7 +179,9 @@ class Ulysses(Strategy):
             # freed first); pipelined, send and receive buffers of about three groups (the group
             # attending, the next one's inputs, the last output) stay in flight
             workspace_bytes=shape.bytes(shape.heads, s_loc) if k == 1 else
-            2 * shape.bytes(shape.heads, s_loc) * min(1.0, 3 / k))
+            2 * shape.bytes(shape.heads, s_loc) * min(1.0, 3 / k),
+            # the output all-to-all's result is a new tensor, which the output projection saves
+            saved_bytes=shape.bytes(shape.heads, s_loc))
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "chunks": self.chunks}
