@@ -14,8 +14,10 @@ Devices per node come from the launch (``LOCAL_WORLD_SIZE``), else from the prof
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +53,20 @@ def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "autosp", "plans")
 
+
+
+@functools.cache
+def planner_version() -> str:
+    """A digest of what plans are made from: the capture, cost model, planner, strategies and
+    shipped profiles. A cached plan is read back only by the autosp that made it (a plan cached
+    before the memory model changed would otherwise outlive the change)."""
+    root = Path(__file__).parent
+    h = hashlib.sha1()
+    for part in ("graph", "costmodel", "planner", "strategies", "profiles"):
+        for f in sorted((root / part).rglob("*")):
+            if f.suffix in (".py", ".json"):
+                h.update(f.read_bytes())
+    return h.hexdigest()[:8]
 
 class AutoPlanner:
     """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
@@ -108,7 +124,7 @@ class AutoPlanner:
         modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks)) + \
             "-l" + "-".join(map(str, self.loss_chunks))
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
-        key = (f"v{schema}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
+        key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
                f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}{'' if self.overlap else '-serial'}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_positive_int, default=2, help="gloo processes (the SP degree)")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--checkpoint", default="none", choices=("none", "selective", "full"))
-    p.add_argument("--compiler", default="eager")
+    p.add_argument("--compiler", default=None, choices=("inductor", "aot_eager", "eager"),
+                   help="how each sharded graph runs (default: autosp's, Inductor)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.set_defaults(func=cmd_explain)
 

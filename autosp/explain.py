@@ -15,7 +15,7 @@ from typing import Any
 from autosp.tools.launch import spawn_gloo
 
 
-def _step(model: str, seq_len: int, batch_size: int, strategy: str, checkpoint: str, compiler: str) -> dict:
+def _step(model: str, seq_len: int, batch_size: int, strategy: str, checkpoint: str, compiler: str | None) -> dict:
     import torch
     import transformers
 
@@ -38,7 +38,7 @@ def _step(model: str, seq_len: int, batch_size: int, strategy: str, checkpoint: 
 
 
 def explain(model: str, seq_len: int, nproc: int = 2, batch_size: int = 1, strategy: str = "auto",
-            checkpoint: str = "none", compiler: str = "eager") -> Any:
+            checkpoint: str = "none", compiler: str | None = None) -> Any:
     """Rank 0's report of one step, as an :class:`autosp.transform.report.SPReport`."""
     from autosp.transform.report import AttentionRow, SPReport
 

@@ -5,6 +5,7 @@ same process without any parallelism."""
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -185,7 +186,15 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
         kw["overlap"] = False
     if memory_limit is not None:
         kw = {"memory_limit": memory_limit}
-    sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
+    if compiler == "default":          # what a user gets: no compiler named, no $AUTOSP_COMPILER
+        saved = os.environ.pop("AUTOSP_COMPILER", None)
+        try:
+            sp = autosp.compile(sp_model, strategy=strategy, plan=plan, **kw)
+        finally:
+            if saved is not None:
+                os.environ["AUTOSP_COMPILER"] = saved
+    else:
+        sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     extra = _extra_inputs("packed" if inputs == "cu_seqlens" else inputs, batch, seq_len)
     extra_sp = extra

@@ -34,3 +34,16 @@ def test_cu_seqlens_to_positions_and_its_errors():
         positions_from_cu_seqlens([0, 5, 12, 16], batch=2, seq_len=8)
     with pytest.raises(AutospError, match="rise strictly from 0"):
         positions_from_cu_seqlens([0, 8, 8, 16], batch=2, seq_len=8)
+
+
+def test_the_default_compiler_is_inductor_unless_the_environment_names_another(monkeypatch):
+    from autosp.transform.backend import default_compiler
+
+    monkeypatch.delenv("AUTOSP_COMPILER", raising=False)
+    assert default_compiler() == "inductor"
+    assert default_compiler("balanced") == "eager"          # it deals chunks per batch
+    monkeypatch.setenv("AUTOSP_COMPILER", "aot_eager")
+    assert default_compiler() == "aot_eager"
+    monkeypatch.setenv("AUTOSP_COMPILER", "tvm")
+    with pytest.raises(AutospError, match="AUTOSP_COMPILER='tvm' is not a compiler; use one of inductor, aot_eager"):
+        autosp.compile(torch.nn.Linear(2, 2), strategy="ulysses")

@@ -370,13 +370,15 @@ def test_what_is_exact_but_not_expected_is_said_once(pool):
 
 
 @pytest.mark.parametrize("kind,strategy,compiler", [
-    ("llama", "ulysses", "inductor"), ("reference", "allgather_kv", "aot_eager"),
+    ("llama", "ulysses", "default"), ("reference", "allgather_kv", "aot_eager"),
     ("reference_break", "zigzag_ring", "aot_eager")])       # ring under AOTAutograd: the checkpointing tests
 def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compiler):
     # The collectives, the ring and blockwise kernels and their backwards are custom ops that
     # AOTAutograd traces; a graph break leaves a replicated graph compiled the same way.
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, compiler=compiler, steps=2)
     check_exact(res, [strategy] * (1 if kind == "reference_break" else 2))
+    # What ran each graph: no compiler named (and no $AUTOSP_COMPILER) is Inductor.
+    assert res[0]["report"]["compiler"] == ("inductor" if compiler == "default" else compiler)
     if kind == "reference_break":       # one attention graph serving both layers, its output gathered
         check_ran(res[0], strategy, world=2, ops=1, runs=2, also={"all_gather": 2})
     else:

@@ -298,7 +298,23 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
             continue
         out[(fp, "mlp")] = nonstep + untraced + d["mlp"] - total
         out[(fp, "rest")] = nonstep + untraced + d["rest"] + workspace - total
+        # The class's first layer runs its backward last: the later layers' activations are gone,
+        # their parameter gradients exist (what peaks there when every layer keeps little). Only
+        # that layer holds its activations: its own share of the shared term, minus the rest.
+        d = phases["layers"].get(min(lc.captured))
+        if d is not None and min(lc.captured) != block:
+            out[(fp, "mlp" + FIRST)] = nonstep + untraced + d["mlp"] - s_none[fp]
+            out[(fp, "rest" + FIRST)] = nonstep + untraced + d["rest"] + workspace - s_none[fp]
     return out
+
+
+FIRST = "@first"     # suffix of the phases of a class's first layer (see peak_terms)
+
+
+def first_layer_own(own: dict[str, float], count: int, kept: float) -> dict[str, float]:
+    """``own`` (per phase, see :func:`own_bytes`) extended with the first layer's phases, where the
+    shared term's other ``count - 1`` layers of the class keep nothing: E = own - (count - 1) kept."""
+    return {**own, **{p + FIRST: v - (count - 1) * kept for p, v in own.items()}}
 
 
 def loss_gradient_buffer(graph: OpGraph, tokens: float) -> float:
@@ -338,12 +354,14 @@ def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices;
     ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`)."""
     extra = {fp: strategy_saved((attention_saved or {}).get(fp, 0.0), choice[fp][0]) for fp in graph.layer_classes}
-    shared = sum(lc.count * (layer_saved(graph, tokens, *choice[fp])[fp] + extra[fp]["kept"])
-                 for fp, lc in graph.layer_classes.items())
+    kept = {fp: layer_saved(graph, tokens, *choice[fp])[fp] + extra[fp]["kept"] for fp in graph.layer_classes}
+    shared = sum(lc.count * kept[fp] for fp, lc in graph.layer_classes.items())
     peaks = [terms["loss"] + shared]
     for key, base in terms.items():
         if key != "loss":
             fp, phase = key
-            peaks.append(base + shared + own_bytes(graph, tokens, fp, *choice[fp])[phase]
-                         + (extra[fp]["own"] if phase == "rest" else 0.0))
+            own = own_bytes(graph, tokens, fp, *choice[fp])
+            own = first_layer_own({"mlp": own["mlp"], "rest": own["rest"] + extra[fp]["own"]},
+                                  graph.layer_classes[fp].count, kept[fp])
+            peaks.append(base + shared + own[phase])
     return max(peaks)

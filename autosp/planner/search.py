@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Callable
 
 from autosp.costmodel.memory import (CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, layer_saved, mlp_saved, model_states,
-                                     own_bytes, peak_terms, strategy_saved)
+                                     first_layer_own, own_bytes, peak_terms, strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.errors import AutospError
@@ -99,7 +99,9 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                                mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"])
                                                + workspace_delta,
                                                exposed_s=share * p.attention_exposed_s,
-                                               own_bytes={"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"]}))
+                                               own_bytes=first_layer_own(
+                                                   {"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"]},
+                                                   lc.count, kept[(k, chunks)][fp] + ours["kept"])))
                 cand.options[fp] = opts
             cands.append(cand)
             preds[cand.key[:2]] = ps

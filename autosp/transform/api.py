@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autosp.errors import AutospError
 from autosp.strategies import AUTO, check_spec, resolve
-from autosp.transform.backend import SPConfig, check_compiler
+from autosp.transform.backend import SPConfig, check_compiler, default_compiler
 from autosp.transform.checkpointing import check_modes
 from autosp.transform.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
@@ -35,7 +35,7 @@ __all__ = ["SequenceParallel", "compile"]
 
 def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout: str | None = None,
             sp_size: int | None = None, group: dist.ProcessGroup | None = None, reduce_grads: bool = True,
-            gather_outputs: bool | None = None, plan: Any = None, compiler: str = "eager",
+            gather_outputs: bool | None = None, plan: Any = None, compiler: str | None = None,
             checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mlp_chunks: int | Sequence[int] = 1,
             mesh: DeviceMesh | None = None,
             zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True) -> nn.Module:
@@ -61,11 +61,14 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     loss: a model called with labels returns the global loss and this rank's logits (full
     logits at 128k tokens would cost every rank what SP saves), one called without labels,
     or whose loss follows a graph break, returns full logits.
-    ``compiler``: how each sharded graph runs: ``"eager"`` (the graph as traced, the default
-    while the compiled path matures), ``"aot_eager"`` (AOTAutograd traces forward and backward)
-    or ``"inductor"`` (AOTAutograd + Inductor: fused kernels, cheap ops recomputed in backward;
-    on ``bench/compilers.py`` 8% faster and 16% less memory per step than eager, after a
-    first step that compiles for about 50 s on a 2-core CPU).
+    ``compiler``: how each sharded graph runs: ``"inductor"`` (the default: AOTAutograd +
+    Inductor, fused kernels, cheap ops recomputed in backward; ``bench/vs_deepspeed_autosp.py``:
+    25% faster steps than eager graphs, after a first step that compiles for 25-60 s on a 2-core
+    CPU; without a C++ compiler on CPU, ``aot_eager`` with a warning), ``"aot_eager"``
+    (AOTAutograd's forward and backward graphs run as they are: the same partition and memory,
+    no fusion) or ``"eager"`` (the sharded graph as traced, autograd as usual: compiles in
+    seconds, for debugging). ``$AUTOSP_COMPILER`` sets the default (the test suite runs eagerly);
+    ``layout="balanced"`` defaults to eager graphs.
     ``checkpoint``: activation checkpointing, ``"none"``, ``"selective"`` (recompute cheap ops,
     keep matmul, attention and collective outputs) or ``"full"`` (keep each layer's input), or a
     list with one per transformer layer; a plan's choice per layer class is applied.
@@ -112,7 +115,6 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     if not overlap:
         strategies = [st if st == AUTO else resolve(st).without_overlap().spec for st in strategies]
         strategy = strategies[0] if isinstance(strategy, str) else strategies
-    compiler = check_compiler(compiler)
     check_zero_stage(zero_stage)
     if zero_stage is not None and not reduce_grads:
         raise AutospError(f"zero_stage={zero_stage} has autosp reduce the gradients over the mesh; reduce_grads=False "
@@ -127,6 +129,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     checkpoint = checkpoint if isinstance(checkpoint, str) else list(checkpoint)
     check_modes(checkpoint)
     layout = layout_for(strategies, layout)
+    compiler = check_compiler(compiler if compiler is not None else default_compiler(layout))
     if layout == "balanced" and compiler != "eager":
         raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
                           "first batch; use compiler='eager' with it, or layout='zigzag'")

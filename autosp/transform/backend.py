@@ -8,6 +8,7 @@ backend="autosp", dynamic=True)`` uses the default process group and Ulysses.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ class SPConfig:
     gather_outputs: bool | None = None
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
     reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
-    compiler: str = "eager"             # what runs each sharded graph: see compile_graph
+    compiler: str = "inductor"          # what runs each sharded graph: see compile_graph
     checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
     loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
@@ -118,6 +119,19 @@ def _say_once(state: BackendState, report: ShardReport) -> None:
 
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+COMPILER_ENV = "AUTOSP_COMPILER"
+
+
+def default_compiler(layout: str | None = None) -> str:
+    """The compiler when none is given: ``$AUTOSP_COMPILER`` if set (a test suite or a debugging
+    session runs every model eagerly without editing the script), else Inductor, except for the
+    ``balanced`` layout, which deals chunks per batch and so needs eager graphs."""
+    env = os.environ.get(COMPILER_ENV)
+    if env:
+        if env not in COMPILERS:
+            raise AutospError(f"{COMPILER_ENV}={env!r} is not a compiler; use one of {', '.join(COMPILERS)}")
+        return env
+    return "eager" if layout == "balanced" else "inductor"
 
 
 def check_compiler(name: str) -> str:
@@ -204,7 +218,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     if not dist.is_initialized():
         raise AutospError("backend 'autosp' needs torch.distributed initialised; call "
                           "torch.distributed.init_process_group() first (torchrun sets the environment)")
-    return make_backend(SPConfig(dist.group.WORLD))(gm, example_inputs)
+    return make_backend(SPConfig(dist.group.WORLD, compiler=check_compiler(default_compiler())))(gm, example_inputs)
 
 
 def register() -> None:

@@ -37,6 +37,7 @@ class SPReport:
     seq_len: int                   # of the last batch, as given
     padded_len: int                # after padding to the layout's multiple
     compiled_graphs: int
+    compiler: str = ""             # what ran each sharded graph (inductor, aot_eager, eager)
     dp_degree: int = 1             # rows of the mesh, each with its own batch
     zero_stage: int | None = None  # None: gradients summed over the SP group inside the graphs
     grad_buckets: int = 0          # buckets autosp's gradient reduction all-reduces (zero_stage 0, 1)
@@ -61,7 +62,7 @@ class SPReport:
         dp = f", DP degree {self.dp_degree}, ZeRO stage {self.zero_stage} ({self.grad_buckets} gradient buckets)" \
             if self.zero_stage is not None else ""
         t = Table(title=f"autosp: SP degree {self.sp_degree}{dp}, {self.seq_len} tokens (padded to "
-                        f"{self.padded_len}), {self.compiled_graphs} compiled graphs, attention work busiest / "
+                        f"{self.padded_len}), {self.compiled_graphs} graphs compiled by {self.compiler}, attention work busiest / "
                         f"mean rank {self.work_balance:.2f}")
         for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
                     "tokens per rank", "checkpoint", "MLP chunks", "overlap"):

@@ -139,7 +139,8 @@ class SequenceParallel(nn.Module):
                         zero_stage=self.zero_stage,
                         grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
                         seq_len=step["seq_len"], padded_len=step["padded_len"],
-                        compiled_graphs=len(self.state.reports), attention=rows, collectives=counts,
+                        compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
+                        attention=rows, collectives=counts,
                         work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
                         if "positions" in step else [])
 
