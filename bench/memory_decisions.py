@@ -1,6 +1,7 @@
 """Predicted against measured per-rank step peak, for every memory decision the planner takes.
 
     python bench/memory_decisions.py [--seq-len 4096] [--degrees 1 2] [--compiler aot_eager]
+        [--strategy ulysses] [--decisions none/1/1 full/8/8 ...]
 
 The bench's tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, MLP 688, vocabulary
 1000), fp32, Ulysses, each of checkpointing none / selective / full with the MLPs whole or
@@ -34,7 +35,7 @@ def tiny():
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def measure(seq_len: int, compiler: str) -> list[dict]:
+def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: list | None = None) -> list[dict]:
     import torch
 
     import autosp
@@ -42,9 +43,9 @@ def measure(seq_len: int, compiler: str) -> list[dict]:
 
     ids = torch.randint(0, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
     rows = []
-    # One rank runs what autosp runs there (attention as it is), more run Ulysses.
-    strategy = "ulysses" if torch.distributed.get_world_size() > 1 else "auto"
-    for checkpoint, mlp_chunks, loss_chunks in DECISIONS:
+    # One rank runs what autosp runs there (attention as it is), more the strategy named.
+    strategy = strategy if torch.distributed.get_world_size() > 1 else "auto"
+    for checkpoint, mlp_chunks, loss_chunks in decisions or DECISIONS:
         torch._dynamo.reset()
         model = tiny()
         sp = autosp.compile(model, strategy=strategy, compiler=compiler, checkpoint=checkpoint,
@@ -62,7 +63,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--degrees", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--compiler", default="aot_eager")
+    ap.add_argument("--strategy", default="ulysses", help="what SP > 1 runs")
+    ap.add_argument("--decisions", nargs="*", default=None,
+                    help="a subset, as checkpoint/mlp_chunks/loss_chunks (e.g. selective/8/8)")
     args = ap.parse_args()
+    decisions = [(c, int(m), int(k)) for c, m, k in (d.split("/") for d in args.decisions)] if args.decisions \
+        else DECISIONS
 
     from autosp.costmodel.predict import step_peak
     from autosp.costmodel.profile import load_profile
@@ -70,13 +76,14 @@ def main() -> None:
 
     graph = capture(tiny(), seq_len=args.seq_len, dtype="float32")
     prof = load_profile("cpu-gloo")
-    print(f"tiny Llama, {args.seq_len} tokens, Ulysses, {args.compiler}; per-rank step peak\n")
+    print(f"tiny Llama, {args.seq_len} tokens, {args.strategy}, {args.compiler}; per-rank step peak\n")
     print("| SP | checkpoint | MLP chunks | loss chunks | measured | predicted | predicted / measured |")
     print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for sp in args.degrees:
-        for r in spawn_gloo(measure, sp, threads=1, seq_len=args.seq_len, compiler=args.compiler):
-            pred = step_peak(graph, prof, sp=sp, strategy="ulysses", seq_len=args.seq_len,
+        for r in spawn_gloo(measure, sp, threads=1, seq_len=args.seq_len, compiler=args.compiler,
+                            strategy=args.strategy, decisions=decisions):
+            pred = step_peak(graph, prof, sp=sp, strategy=args.strategy, seq_len=args.seq_len,
                              checkpoint=r["checkpoint"], mlp_chunks=r["mlp_chunks"], loss_chunks=r["loss_chunks"])
             worst = max(worst, abs(pred / r["peak"] - 1))
             print(f"| {sp} | {r['checkpoint']} | {r['mlp_chunks']} | {r['loss_chunks']} | {r['peak'] / 2**20:.1f} MiB "

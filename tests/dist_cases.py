@@ -307,30 +307,6 @@ def loss_tiling_memory(seq_len: int = 1024, vocab: int = 8192) -> dict[str, Any]
     return out
 
 
-def mlp_tiling_memory(seq_len: int = 1024, compiler: str = "eager") -> dict[str, Any]:
-    """Per-rank step peak (allocator's view) of a Llama with a wide MLP, whole and in 8 token
-    chunks, under ``compiler``; the losses against one process."""
-    import transformers
-
-    from autosp.tools.memory_probe import step_peak
-
-    out: dict[str, Any] = {}
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=1024, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg)
-    ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    single = ref(input_ids=ids, labels=ids, use_cache=False).loss.item()
-    for chunks in (1, 8):
-        torch._dynamo.reset()
-        sp = autosp.compile(copy.deepcopy(ref), strategy="ulysses", mlp_chunks=chunks, compiler=compiler)
-        sp(input_ids=ids, labels=ids).loss.backward()                      # compile outside the probe
-        loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
-        out[chunks] = {"peak": peak, "loss_err": abs(loss.item() - single) / single,
-                       "tiled": sum(r.tiled_mlps for r in sp.state.reports)}
-    return out
-
-
 def expect_error_compile(kind: str = "llama", **kw: Any) -> str:
     """The AutospError message ``autosp.compile`` gives for these arguments, or ''."""
     try:
@@ -520,16 +496,30 @@ def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any
     return [str(w.message) for w in caught if "autosp" in w.filename or "SP" in str(w.message)]
 
 
-def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: str = "eager") -> dict[str, Any]:
-    """Peak step memory (allocator view) of tiny Llama per checkpointing mode, and its losses."""
+def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: str = "eager",
+                      modes: tuple = ("none", "selective", "full")) -> dict[str, Any]:
+    """Peak step memory (allocator view) of tiny Llama per memory decision (a checkpointing mode,
+    or (mode, MLP chunks, loss chunks)), its losses, and the cost model's prediction of the peak."""
+    import torch.distributed as dist
+
+    from autosp.costmodel.predict import step_peak
+    from autosp.costmodel.profile import load_profile
+    from autosp.graph import capture
     from autosp.tools.validation import measure_step, tiny_model
 
+    graph = capture(tiny_model(), seq_len=seq_len, dtype="float32")
     out = {}
-    for mode in ("none", "selective", "full"):
+    for mode in modes:
+        ck, mlp, lc = (mode, 1, 1) if isinstance(mode, str) else mode
         torch._dynamo.reset()
-        m = measure_step(autosp.compile(tiny_model(), strategy=strategy, checkpoint=mode, compiler=compiler), seq_len,
-                         repeats=0)
-        out[mode] = {"peak": m["peak"], "loss": m["loss"]}
+        sp = autosp.compile(tiny_model(), strategy=strategy, checkpoint=ck, compiler=compiler, mlp_chunks=mlp,
+                            loss_chunks=lc)
+        m = measure_step(sp, seq_len, repeats=0)
+        predicted = step_peak(graph, load_profile("cpu-gloo"), sp=dist.get_world_size(), strategy=strategy,
+                              seq_len=seq_len, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc)
+        out[mode if isinstance(mode, str) else "/".join(map(str, mode))] = {
+            "peak": m["peak"], "loss": m["loss"], "predicted": predicted,
+            "tiled_mlps": sum(r.tiled_mlps for r in sp.state.reports)}
     return out
 
 

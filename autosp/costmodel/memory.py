@@ -158,10 +158,12 @@ def mlp_saved(graph: OpGraph, tokens: float, compiled: bool = True) -> dict[str,
                 if a.kind == OpKind.MATMUL:
                     outputs += evaluate(a.bytes_written, tokens)
         # Compiled under checkpointing, the tiled MLP is its own recompute region, whose input is
-        # kept: one hidden state more (eagerly, the chunks nest in the layer's region).
+        # kept: one hidden state more (eagerly, the chunks nest in the layer's region); under
+        # selective its output is kept too (tiled_mlp.py: so that no chunk is recomputed early).
         emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
         hidden = evaluate(emb.bytes_written, tokens) if emb and compiled else 0.0
-        out[fp] = {"none": saved, "selective": outputs - hidden, "full": -hidden, "tileable": float(region is not None)}
+        out[fp] = {"none": saved, "selective": outputs - 2 * hidden, "full": -hidden,
+                   "tileable": float(region is not None)}
     return out
 
 
@@ -329,15 +331,21 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
     """What one layer of class ``fp`` holds during its own backward beyond what its option keeps:
     its activations come back as without checkpointing (recomputed), a tiled MLP's one chunk at a
     time. A checkpointed layer's tiled MLP is its own recompute region (compiled), whose backward
-    runs before the rest of the layer is recomputed: then only the chunk is back."""
+    runs before the rest of the layer is recomputed: then only the chunk is back, and after it
+    the rest's recompute brings back what the partitioner would save of it, not what eager
+    autograd saves (the captured schedule's phase has those)."""
     none = layer_saved(graph, tokens, "none", 1, compiled=False)[fp]   # what its backward reads
     kept = layer_saved(graph, tokens, checkpoint, mlp_chunks)[fp]
     tiled = mlp_saved(graph, tokens, compiled=False)[fp]
     if mlp_chunks == 1 or not tiled["tileable"]:
         return {"mlp": none - kept, "rest": none - kept}
     chunk = tiled["none"] / mlp_chunks
-    mlp = chunk if checkpoint != "none" else none - kept - (tiled["none"] - chunk)
-    return {"mlp": mlp, "rest": none - kept}
+    if checkpoint == "none":
+        return {"mlp": none - kept - (tiled["none"] - chunk), "rest": none - kept}
+    # the rest's share: eagerly none - tiled; compiled, what the min-cut keeps outside the MLP
+    rest_eager = none - tiled["none"]
+    rest_compiled = layer_saved(graph, tokens, "none", 1)[fp] - mlp_saved(graph, tokens)[fp]["none"]
+    return {"mlp": chunk, "rest": none - kept - (rest_eager - rest_compiled)}
 
 
 def strategy_saved(attention_saved: float, checkpoint: str) -> dict[str, float]:

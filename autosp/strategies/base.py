@@ -307,10 +307,17 @@ def _document_starts(documents: tuple[int, ...]) -> list[int]:
 
 
 def ring_workspace(shape: AttentionShape, mesh: SPMesh) -> float:
-    """fp32 output accumulator, two K/V blocks in flight, the expanded K/V of one call."""
+    """The larger of the two passes' buffers. Forward: the fp32 output accumulator, two K/V blocks
+    in flight, the expanded K/V of one call. Backward (read off the memory probe): the output
+    gradient made contiguous and the fp32 dQ accumulator, K and V made contiguous and their fp32
+    dK/dV accumulators, the K/V and dK/dV blocks being received, and one kernel call's expanded
+    K/V, contiguous inputs and gradients (about three query-sized tensors)."""
     s_loc = shape.seq_len / mesh.degree
     q_loc, kv_loc = shape.bytes(shape.heads, s_loc), shape.bytes(shape.kv_heads, s_loc)
-    return q_loc * 4 / shape.elem_bytes + 2 * 2 * kv_loc + 2 * q_loc
+    wide = 4 / shape.elem_bytes
+    forward = q_loc * wide + 2 * 2 * kv_loc + 2 * q_loc
+    backward = q_loc * (1 + wide) + 2 * kv_loc * (1 + wide) + 4 * kv_loc + 3 * q_loc
+    return max(forward, backward)
 
 
 def ring_transfers(kv_block: float, ring: int, inter: bool, elem_bytes: int) -> list[Transfer]:

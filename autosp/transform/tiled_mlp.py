@@ -212,6 +212,13 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
             joined = gm.graph.call_function(torch.cat, (outs,), {"dim": dim})
             joined.meta.update(meta)
             joined.meta["autosp_seq"] = out.meta["autosp_seq"]
+            if aot and mode_of(layer) != "full":
+                # Kept (one hidden state): else recomputing the residual stream after the MLP
+                # (selective checkpointing, or the partitioner's own choice) recomputes every
+                # chunk at once at the start of the layer's backward, all their intermediates
+                # alive together. Full checkpointing keeps the layer's output instead.
+                joined.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                joined.meta["ac_graph_id"] = _CHUNK_ID_BASE + tiled * chunks + chunks
         out.replace_all_uses_with(joined)
         _mark_second_part(gm, nodes[0], parts, layer, layer_paths)
         if record is not None:
