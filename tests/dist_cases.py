@@ -167,7 +167,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
-                  strategy: str = "auto", plan: Any = None, compiler: str = "eager", checkpoint: Any = "none",
+                  strategy: str = "auto", plan: Any = None, compiler: str | None = None, checkpoint: Any = "none",
                   inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
                   loss_chunks: int = 1, mlp_chunks: int = 1, overlap: bool = True, **cfg: Any) -> dict[str, Any]:
     """Loss and per-parameter gradient errors of autosp vs single device, over AdamW steps."""

@@ -72,19 +72,18 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
+            # each strategy's workspace is its options' own: it exists in its layers' backward
             terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
-                               first.phases["untraced"], first.memory["workspace"], kl)
+                               first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
             cand = Candidate(key=(sp, layout, kl), base_time_s=first.total_s - layer_time[first.strategy]
                              + (first.head_forward_s if kl > 1 else 0.0),
                              base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms,
                              base_exposed_s=first.exposed_comm_s - first.attention_exposed_s)
-            for i, (fp, lc) in enumerate(graph.layer_classes.items()):
+            for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
                 opts = []
                 for st, p in ps.items():
-                    # Strategies differ in workspace: carried by the first class's option.
-                    workspace_delta = p.peak_bytes - first.peak_bytes if i == 0 else 0.0
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
                     for k in checkpoints:
@@ -96,11 +95,11 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                             mine = own[(fp, k, chunks)]
                             opts.append(Option(key=(st, k, chunks),
                                                time_s=share * (layer_time[st] + recompute[k] + again),
-                                               mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"])
-                                               + workspace_delta,
+                                               mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"]),
                                                exposed_s=share * p.attention_exposed_s,
                                                own_bytes=first_layer_own(
-                                                   {"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"]},
+                                                   {"mlp": mine["mlp"],
+                                                    "rest": mine["rest"] + ours["own"] + p.memory["workspace"]},
                                                    lc.count, kept[(k, chunks)][fp] + ours["kept"])))
                 cand.options[fp] = opts
             cands.append(cand)

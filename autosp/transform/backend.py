@@ -123,15 +123,15 @@ COMPILER_ENV = "AUTOSP_COMPILER"
 
 
 def default_compiler(layout: str | None = None) -> str:
-    """The compiler when none is given: ``$AUTOSP_COMPILER`` if set (a test suite or a debugging
-    session runs every model eagerly without editing the script), else Inductor, except for the
-    ``balanced`` layout, which deals chunks per batch and so needs eager graphs."""
+    """The compiler when none is given: eager graphs for the ``balanced`` layout (it deals chunks
+    per batch, which a compiled graph would freeze), else ``$AUTOSP_COMPILER`` if set (a test
+    suite or a debugging session switches every model without editing the script), else Inductor."""
     env = os.environ.get(COMPILER_ENV)
-    if env:
-        if env not in COMPILERS:
-            raise AutospError(f"{COMPILER_ENV}={env!r} is not a compiler; use one of {', '.join(COMPILERS)}")
-        return env
-    return "eager" if layout == "balanced" else "inductor"
+    if env and env not in COMPILERS:
+        raise AutospError(f"{COMPILER_ENV}={env!r} is not a compiler; use one of {', '.join(COMPILERS)}")
+    if layout == "balanced":
+        return "eager"
+    return env or "inductor"
 
 
 def check_compiler(name: str) -> str:
