@@ -8,15 +8,19 @@ Activations: liveness over the captured forward+backward schedule (a tensor live
 from its op to its last reader; views alias their base; gradients live to the
 end), evaluated at the local number of tokens.
 
-Checkpointing per layer class keeps of one layer's saved activations:
-  none       everything autograd saves
-  selective  what is expensive to recompute: every matmul and attention output
+Checkpointing per layer class keeps of one layer's saved activations, as the compiled path
+(AOTAutograd's partitioner, the default) keeps them, or eager autograd (``compiled=False``):
+  none       compiled: the partitioner's min-cut (:func:`partitioned_saved`); eagerly:
+             everything autograd saves
+  selective  every matmul and attention output (eagerly also the region's input)
   full       the layer's input only (one hidden state)
+A strategy adds what it saves itself (Ulysses' output all-to-all result: :func:`strategy_saved`).
 
 A tiled MLP (:mod:`autosp.transform.tiled_mlp`, ``mlp_chunks`` k > 1) saves none of its
 intermediates: of the layer's saved bytes, those its MLP's ops saved (``none``) or its
 matmul outputs (``selective``) go; its input is saved by the op before it either way.
-Under ``full`` nothing changes in what is saved (the chunks shrink the recompute transient).
+Compiled under checkpointing it is its own recompute region, which keeps its input (and under
+selective its output). The planner's constraints per phase: :func:`peak_terms`.
 """
 
 from __future__ import annotations
