@@ -189,3 +189,13 @@ def test_a_tight_memory_limit_makes_the_ilp_tile_the_mlps_where_that_is_cheapest
     fp = tiled.layers[0]["fingerprint"]
     assert mlp_saved(g, 8192)[fp]["none"] == 3 * 8192 * 688 * 4
     assert mlp_saved(g, 8192, compiled=False)[fp]["none"] == 4 * 8192 * 688 * 4
+
+
+def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_layers():
+    """The README's main job: Llama-3-8B at 128k tokens on 8 H100s with ZeRO 3 (a shallow
+    capture: 2 of 32 layers traced). The first layer's backward holds no later layer's
+    activations, so the untraced layers must not count there (they once made nothing fit)."""
+    g = capture("llama3-8b", seq_len=4096)
+    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
+    assert p.sp_degree == 8 and p.predicted["peak_bytes"] <= 80e9, p.predicted
+    assert {layer["checkpoint"] for layer in p.layers} == {"selective"}, p.layers

@@ -306,11 +306,12 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
         out[(fp, "rest")] = nonstep + untraced + d["rest"] + workspace - total
         # The class's first layer runs its backward last: the later layers' activations are gone,
         # their parameter gradients exist (what peaks there when every layer keeps little). Only
-        # that layer holds its activations: its own share of the shared term, minus the rest.
+        # that layer holds its activations: its own share of the shared term, minus the rest (and
+        # no untraced layer's: those are later layers of a shallow capture, done by then).
         d = phases["layers"].get(min(lc.captured))
         if d is not None and min(lc.captured) != block:
-            out[(fp, "mlp" + FIRST)] = nonstep + untraced + d["mlp"] - s_none[fp]
-            out[(fp, "rest" + FIRST)] = nonstep + untraced + d["rest"] + workspace - s_none[fp]
+            out[(fp, "mlp" + FIRST)] = nonstep + d["mlp"] - s_none[fp]
+            out[(fp, "rest" + FIRST)] = nonstep + d["rest"] + workspace - s_none[fp]
     return out
 
 
