@@ -140,6 +140,12 @@ def tiled_region(graph: OpGraph, block: int) -> str | None:
     return next((name for name, ks in kinds.items() if ks.count(OpKind.MATMUL) >= 2 and set(ks) <= allowed), None)
 
 
+def hidden_bytes(graph: OpGraph, tokens: float) -> float:
+    """One hidden state at ``tokens`` (the embedding's output)."""
+    emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
+    return evaluate(emb.bytes_written, tokens) if emb else 0.0
+
+
 def mlp_saved(graph: OpGraph, tokens: float, compiled: bool = True) -> dict[str, dict[str, float]]:
     """Per layer class, what tiling its MLP removes from one layer's saved bytes, per checkpointing
     (``compiled``: of what the partitioner saves, else of what eager autograd saves)."""
@@ -164,8 +170,7 @@ def mlp_saved(graph: OpGraph, tokens: float, compiled: bool = True) -> dict[str,
         # Compiled under checkpointing, the tiled MLP is its own recompute region, whose input is
         # kept: one hidden state more (eagerly, the chunks nest in the layer's region); under
         # selective its output is kept too (tiled_mlp.py: so that no chunk is recomputed early).
-        emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
-        hidden = evaluate(emb.bytes_written, tokens) if emb and compiled else 0.0
+        hidden = hidden_bytes(graph, tokens) if compiled else 0.0
         out[fp] = {"none": saved, "selective": outputs - 2 * hidden, "full": -hidden,
                    "tileable": float(region is not None)}
     return out
@@ -244,8 +249,7 @@ def saved_per_layer(graph: OpGraph, tokens: float, compiled: bool = True) -> dic
     """Per layer class: saved activation bytes of one layer under each checkpointing choice;
     ``compiled``: through AOTAutograd's partitioner (the default compile path), else as eager
     autograd saves them (what the captured schedule holds)."""
-    emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
-    hidden = evaluate(emb.bytes_written, tokens) if emb else 0.0
+    hidden = hidden_bytes(graph, tokens)
     kept = partitioned_saved(graph) if compiled else None
     out = {}
     for fp, lc in graph.layer_classes.items():
@@ -291,7 +295,11 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
         (c, "mlp")      nonstep + untraced + mlp_c - sum_c count_c s_c(none)
         (c, "rest")     nonstep + untraced + rest_c + workspace - sum_c count_c s_c(none)
     where ``nonstep`` is what exists outside the step (parameters, optimizer states, gradients)
-    and ``untraced`` the saved activations of the layers not traced."""
+    and ``untraced`` the saved activations of the layers not traced. The class's first layer,
+    whose backward runs last, has phases of its own, where only it holds activations:
+        (c, "mlp@first")   nonstep + mlp_c^first - s_c(none)      (and "rest@first", + workspace)
+    with :func:`first_layer_own` taking the shared term's other layers of c out again. The
+    planner passes ``workspace`` 0 and charges each strategy's to its options' "rest" phases."""
     s_none = layer_saved(graph, tokens, "none", 1, compiled=False)      # what the captured schedule holds
     total = sum(lc.count * s_none[fp] for fp, lc in graph.layer_classes.items())
     head = phases["loss_start"] + (phases["loss"] - phases["loss_start"] + loss_gradient_buffer(graph, tokens)) \

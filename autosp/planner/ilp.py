@@ -31,8 +31,9 @@ M_{g,c,o} the time / activation memory of all ``count_c`` layers of class c.
 During one layer's backward the other layers hold what their options keep (M), and
 that layer its recomputed activations: P_{g,c,f} is the rest of the memory then, and
 E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its whole
-recompute under checkpointing, one chunk of a tiled MLP) — see
-:func:`autosp.costmodel.memory.peak_terms`.
+recompute under checkpointing, one chunk of a tiled MLP, its strategy's workspace); the
+phases f include those of the class's first layer, where E also removes the other layers' share
+of M — see :func:`autosp.costmodel.memory.peak_terms`.
 Costs come from :mod:`autosp.costmodel.predict`, scaled to integers
 (microseconds, KiB) because CP-SAT is an integer solver.
 
