@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
@@ -25,6 +27,7 @@ from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
+from autosp.transform.deepspeed_zero3 import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
 from autosp.transform.report import AttentionRow, SPReport
@@ -86,6 +89,20 @@ class SequenceParallel(nn.Module):
         self.mesh: Mesh | None = None    # set by autosp.compile
         self.zero_stage: int | None = None
         self.reducer: GradReducer | None = None
+        # DeepSpeed ZeRO 3 reads this flag: it gathers every parameter at this module's entry and
+        # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
+        self._z3_leaf = True
+        self._after_backward: OrderedDict[int, Callable] = OrderedDict()     # DeepSpeed ZeRO 3: reduction
+
+    def register_full_backward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
+        """DeepSpeed ZeRO 3 reduces this leaf module's gradients in a full backward hook, which torch
+        would call before any gradient exists (token ids need none); autosp runs it after the
+        backward instead (``deepspeed_zero3``). Other hooks register as usual."""
+        if not is_leaf_gradient_hook(hook):
+            return super().register_full_backward_hook(hook, prepend=prepend)
+        handle = RemovableHandle(self._after_backward)
+        self._after_backward[handle.id] = hook
+        return handle
 
     def no_sync(self) -> ContextManager:
         """Backwards inside this block keep this rank's partial gradients (micro-batches being
@@ -161,7 +178,7 @@ class SequenceParallel(nn.Module):
         lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
         into position ids that restart at each document (the model then masks across them)."""
         if not self._checked:
-            _refuse_partitioned_parameters(self.module, self.zero_stage)
+            _refuse_partitioned_parameters(self, self.zero_stage)
             _check_deepspeed_groups(self.group)
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
@@ -192,6 +209,8 @@ class SequenceParallel(nn.Module):
                 torch._dynamo.config.patch(specialize_int=True), _own_errors():
             out = self._compiled(*bound.args, **bound.kwargs)
         self._check_once(padded_len != seq_len)
+        if torch.is_grad_enabled():
+            run_after_backward(self, list(self._after_backward.values()), out)
         if padded_len != seq_len and named.get("attention_mask") is None and \
                 any(r.token_statistics for r in self.state.reports):
             raise AutospError(
@@ -306,20 +325,24 @@ class SequenceParallel(nn.Module):
                               "attention_mask or a sequence length divisible by the SP degree")
 
 
-def _refuse_partitioned_parameters(module: nn.Module, zero_stage: int | None) -> None:
-    """DeepSpeed ZeRO 3 partitions parameters and gathers each module's on entry through hooks on every
-    module; torch.compile stops at each, leaving graph pieces without the sequence length. FSDP applied
-    by the caller does the same per unit, and its average (not sum) of the partial gradients and the
-    eager code between its units would give wrong gradients without an error."""
+def _refuse_partitioned_parameters(sp: SequenceParallel, zero_stage: int | None) -> None:
+    """DeepSpeed ZeRO 3 partitions parameters and gathers them on entry to each module it hooks. Given
+    autosp's module, it hooks that one only (``_z3_leaf``) and the compiled graph stays whole; given
+    the model itself it hooks every module, and torch.compile would stop at each, leaving graph pieces
+    without the sequence length. FSDP applied by the caller does the same per unit, and its average
+    (not sum) of the partial gradients and the eager code between its units would give wrong
+    gradients without an error."""
     from torch.distributed.fsdp import FSDPModule
 
+    module = sp.module
     if zero_stage not in (2, 3) and any(isinstance(m, FSDPModule) for m in module.modules()):
         raise AutospError("the model is already wrapped with FSDP (fully_shard); let autosp apply it: "
                           "autosp.compile(model, mesh=mesh, zero_stage=2 or 3) on the unwrapped model")
-    if any(hasattr(p, "ds_id") and hasattr(p, "ds_status") for p in module.parameters()):
-        raise AutospError("DeepSpeed ZeRO stage 3 partitions the parameters with hooks on every module, which cut "
-                          "autosp's compiled graph into pieces it cannot shard; use DeepSpeed ZeRO stage 1 or 2, or "
-                          "autosp.compile(model, mesh=mesh, zero_stage=3) (FSDP2)")
+    if any(hasattr(p, "ds_id") and getattr(p, "ds_z3_leaf_module", None) is not sp for p in module.parameters()):
+        raise AutospError("DeepSpeed ZeRO stage 3 hooks every module of the model it was given, which cuts "
+                          "autosp's compiled graph into pieces it cannot shard; give deepspeed.initialize the "
+                          "module autosp.compile returns (model=sp_model), on a model not built under "
+                          "deepspeed.zero.Init")
 
 
 def _check_deepspeed_groups(group: dist.ProcessGroup) -> None:
