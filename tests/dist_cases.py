@@ -769,3 +769,34 @@ def checkpoint_resume(path: str, zero_stage: int = 3, resume_on: tuple[int, int]
                               load=True)
     return {"uninterrupted": first[2:], "resumed": resumed, "extra": extra,
             "full": {n: t.tolist() for n, t in full.items()} if dist.get_rank() == 0 else None}
+
+
+def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:
+    """``train_compare`` under ``allgather_kv:overlap``, with the order of the overlapped kernel's
+    steps recorded on this rank: when each collective starts and is waited for, and which
+    blocks (the own K/V chunks, or another rank's) attend in between."""
+    from autosp.strategies import allgather_kv_kernel as kernel
+
+    events: list[str] = []
+    saved = {n: getattr(kernel, n) for n in ("attend_forward", "attend_backward", "_gather_start",
+                                             "_reduce_scatter_start", "wait_all")}
+
+    def logged(name: str, label: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            events.append(label(*args) if callable(label) else label)
+            return saved[name](*args, **kwargs)
+        return run
+
+    own = lambda q_chunks, kv_chunks: "own" if q_chunks == kv_chunks else "other"  # noqa: E731
+    kernel.attend_forward = logged("attend_forward", lambda q, k, v, qc, kc, *_: "fwd " + own(qc, kc))
+    kernel.attend_backward = logged("attend_backward", lambda d, q, k, v, o, l, qc, kc, *_: "bwd " + own(qc, kc))
+    kernel._gather_start = logged("_gather_start", "gather starts")
+    kernel._reduce_scatter_start = logged("_reduce_scatter_start", "reduce-scatter starts")
+    kernel.wait_all = logged("wait_all", lambda works, kind, group: f"wait {kind}")
+    try:
+        out = train_compare(strategy="allgather_kv:overlap", **kw)
+    finally:
+        for n, f in saved.items():
+            setattr(kernel, n, f)
+    out["events"] = events
+    return out

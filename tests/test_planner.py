@@ -64,7 +64,7 @@ def test_heads_that_do_not_divide_get_ring_or_hybrid(tiny6):
     p = plan(None, graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm",
              sp_degrees=(4,))
     assert p.sp_degree == 4
-    allowed = {"ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"}
+    allowed = {"ring", "zigzag_ring", "allgather_kv", "allgather_kv:overlap", "hybrid:2x2"}
     assert {layer["strategy"] for layer in p.layers} <= allowed
     for alt in p.alternatives:
         assert {c["strategy"] for c in alt["layers"].values()} <= allowed

@@ -31,7 +31,7 @@ def expected_collectives(strategy: str, world: int, ops: int = 2) -> dict[str, i
         return {"all_to_all": 8 * int(strategy[9:]) * ops}
     if strategy in ("ring", "zigzag_ring"):             # P-1 K/V hops forward, P-1 backward, P dK/dV hops
         return {"send_recv": (3 * world - 2) * ops}
-    if strategy == "allgather_kv":
+    if strategy.startswith("allgather_kv"):            # K, V gathered; dK, dV reduce-scattered
         return {"all_gather": 2 * ops, "reduce_scatter": 2 * ops}
     u, r = (int(x) for x in strategy.split(":")[1].split("x"))     # hybrid:UxR
     return {"all_to_all": 8 * ops, "send_recv": (3 * r - 2) * ops}
@@ -127,6 +127,26 @@ def test_other_strategies_match_single_device(pool, strategy, kind):
     check_exact(res, [strategy] * 2)
     for r in res:
         check_ran(r, strategy, world=r["report"]["sp_degree"])
+
+
+@pytest.mark.parametrize("layout,compiler,steps", [("zigzag", "eager", 3), ("contiguous", "aot_eager", 1)])
+def test_allgather_kv_overlapped_moves_kv_beside_the_own_block(pool, layout, compiler, steps):
+    res = run_ok(pool, "allgather_kv_schedule", kind="llama", heads=4, kv=2, layout=layout, compiler=compiler,
+                 steps=steps)
+    if steps == 1:
+        check_first_step_exact(res, ["allgather_kv:overlap"] * 2)
+    else:
+        check_exact(res, ["allgather_kv:overlap"] * 2)
+    for r in res:
+        check_ran(r, "allgather_kv:overlap", world=2)
+        assert all(a["overlap"].startswith("K/V gather") for a in r["report"]["attention"])
+        # one op on 2 ranks, forward: both gathers start, the own block attends while they move, then
+        # the other rank's; backward: the other rank's block first, its dK/dV reduce while the own
+        # block's backward runs
+        fwd = ["gather starts", "gather starts", "fwd own", "wait all_gather", "fwd other"]
+        bwd = ["bwd other", "reduce-scatter starts", "reduce-scatter starts", "bwd own", "wait reduce_scatter"]
+        step = fwd * 2 + bwd * 2
+        assert r["events"] == step * steps, r["events"]
 
 
 MASKED = {"window": dict(kind="mistral", sliding_window=8),      # HF builds a sliding-window mask

@@ -21,6 +21,9 @@ Time (per device, one step):
             group's moves beside one group's kernel. s_comm >= 1 is the profile's measured
             slowdown of a collective while the device computes, and the kernels beside it
             slow by s_compute: + (s_compute - 1) * min((k - 1) / k * K, (k - 1) * s_comm * a).
+            Transfers declared beside a share f of the phase's kernel time (all-gather-KV's
+            gather and reduce-scatter beside the own block; a = their summed time):
+                exposed = max(0, s_comm * a - f * K) + (s_compute - 1) * min(f * K, s_comm * a)
             The gradient reduction of ZeRO stages 0/1 moves in buckets beside the backward
             (:func:`_gradient_comm`). Every other transfer is exposed in full
   total     compute + exposed
@@ -100,12 +103,17 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     docstring for the overlap formulas)."""
     comm = exposed = 0.0
     group: dict[tuple[str, int], float] = {}           # (phase, k) -> one pipelined group's transfer time
+    side: dict[tuple[str, float], float] = {}          # (phase, f) -> transfers beside that share of kernels
     for tr in cost.transfers:
         t = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
         if tr.pipeline:
             comm += tr.pipeline * tr.count * t
             group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * t
+            continue
+        if tr.beside:
+            comm += tr.count * t
+            side[(tr.phase, tr.beside)] = side.get((tr.phase, tr.beside), 0.0) + tr.count * t
             continue
         comm += tr.count * t
         exposed += tr.count * (max(0.0, t - kernel / tr.overlap_steps) if tr.overlap_steps else t)
@@ -114,6 +122,9 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
         kernel = t_fwd if phase == "fwd" else t_bwd
         exposed += a + (k - 1) * max(0.0, s_comm * a - kernel / k)
         exposed += (s_compute - 1) * min((k - 1) / k * kernel, (k - 1) * s_comm * a)
+    for (phase, f), a in side.items():
+        hidden_by = f * (t_fwd if phase == "fwd" else t_bwd)
+        exposed += max(0.0, s_comm * a - hidden_by) + (s_compute - 1) * min(hidden_by, s_comm * a)
     return comm, exposed
 
 

@@ -3,27 +3,40 @@
 Forward all-gathers K and V (Hkv heads, so cheap under GQA); backward
 reduce-scatters dK and dV (every rank's queries read every block). Memory:
 the full K/V on every rank during the op.
+
+Two specs: ``allgather_kv`` blocks on each collective; ``allgather_kv:overlap`` moves
+them beside the rank's own block of attention (:mod:`autosp.strategies.allgather_kv_kernel`).
+The planner chooses between them by the profile's measured concurrency.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 from torch import Tensor
 
+from autosp.errors import AutospError
+from autosp.strategies.allgather_kv_kernel import allgather_kv_attention as overlapped_attention
 from autosp.strategies.base import (AttentionCost, AttentionShape, SPMesh, Strategy, Transfer,
                                     blockwise_kernel_calls, register)
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
-from autosp.strategies.layout import all_chunks, rank_chunks
+from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 
 
 def allgather_kv_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                           enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
+                           enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous",
+                           overlap: bool = False) -> Tensor:
     no_dropout("allgather_kv", dropout_p)
     pg = resolve_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if overlap:
+        out, *_ = overlapped_attention(query, key, value, block_mask(attn_mask, query), all_chunks(layout, world),
+                                       is_causal, softmax_scale(query, scale), group_name)
+        return out
     seq = key.dim() - 2
     k, v = all_gather_rs(key.contiguous(), seq, group_name), all_gather_rs(value.contiguous(), seq, group_name)
     out, _ = chunked_attention(query, k, v, block_mask(attn_mask, query), rank_chunks(layout, rank, world),
@@ -31,10 +44,47 @@ def allgather_kv_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask:
     return out
 
 
+def own_share(shape: AttentionShape, mesh: SPMesh) -> float:
+    """The share of the busiest rank's attention work that its own K/V chunks make: what the
+    overlapped form computes beside each collective. A causal diagonal pair is half a block."""
+    n = n_chunks(mesh.layout, mesh.degree)
+    work = []
+    for r in range(mesh.degree):
+        mine = rank_chunks(mesh.layout, r, mesh.degree)
+
+        def blocks(keys: range | list[int]) -> float:
+            return sum(0.5 if (shape.causal and a == b) else 1.0
+                       for a in mine for b in keys if not shape.causal or b <= a)
+        work.append((blocks(range(n)), blocks(mine)))
+    total, own = max(work)
+    return own / total
+
+
 @register
 class AllGatherKV(Strategy):
     family = "allgather_kv"
+    example = "allgather_kv[:overlap]"
     attention_fn = staticmethod(allgather_kv_attention)
+
+    def __init__(self, overlapped: bool = False):
+        self.overlapped = overlapped
+
+    @property
+    def spec(self) -> str:
+        return f"{self.family}:overlap" if self.overlapped else self.family
+
+    @classmethod
+    def parse(cls, spec: str) -> Strategy:
+        if spec not in (cls.family, f"{cls.family}:overlap"):
+            raise AutospError(f"bad strategy '{spec}'; write 'allgather_kv', or 'allgather_kv:overlap' for its "
+                              "collectives beside the local block's attention")
+        return cls(spec.endswith(":overlap"))
+
+    @classmethod
+    def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list[Strategy]:
+        if mesh.degree <= 1:
+            return []
+        return [cls(), cls(True)] if mesh.overlap else [cls()]
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
         return dropout_illegal(self.spec, shape)
@@ -44,8 +94,19 @@ class AllGatherKV(Strategy):
         s_loc = shape.seq_len / p
         shard = shape.bytes(shape.kv_heads, s_loc)
         inter = mesh.crosses_nodes
+        beside = own_share(shape, mesh) if self.overlapped else 0.0
         return AttentionCost(
             kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
-            transfers=[Transfer("all_gather", p, shard, "fwd", 2, inter),
-                       Transfer("reduce_scatter", p, shard * p, "bwd", 2, inter)],
+            transfers=[Transfer("all_gather", p, shard, "fwd", 2, inter, beside=beside),
+                       Transfer("reduce_scatter", p, shard * p, "bwd", 2, inter, beside=beside)],
             workspace_bytes=2 * shard * p + 2 * shape.bytes(shape.heads, s_loc))
+
+    def setup(self, group: Any) -> dict[str, Any]:
+        return {"group_name": group.group_name, "overlap": self.overlapped}
+
+    @property
+    def overlap(self) -> str:
+        return "K/V gather and dK/dV reduce beside the own block" if self.overlapped else "none"
+
+    def without_overlap(self) -> Strategy:
+        return AllGatherKV()

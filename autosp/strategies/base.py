@@ -91,6 +91,8 @@ class Transfer:
     ``max(0, t - kernel / n)`` of it is exposed; ``0`` means it blocks (fully exposed).
     ``pipeline = k > 0``: the transfer is one head group's of k, pipelined against the k
     groups' kernels (see :func:`autosp.costmodel.predict.transfer_times`); ``count`` is per group.
+    ``beside = f > 0``: the phase's transfers with this ``f`` run together beside the share ``f``
+    of its attention kernel time, slowed by the profile's concurrency (the same function).
     """
 
     collective: str            # all_to_all, all_gather, reduce_scatter, all_reduce, send_recv
@@ -101,6 +103,7 @@ class Transfer:
     inter: bool = False        # crosses nodes
     overlap_steps: int = 0
     pipeline: int = 0
+    beside: float = 0.0
 
 
 @dataclass

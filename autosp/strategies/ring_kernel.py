@@ -35,7 +35,7 @@ def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
+def chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
     per = len(all_chunks) // world
     return all_chunks[rank * per:(rank + 1) * per]
 
@@ -43,14 +43,14 @@ def _chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, all_chunks: list[int], causal: bool,
                  scale: float, pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
-    q_chunks = _chunks_of(all_chunks, r, p)
+    q_chunks = chunks_of(all_chunks, r, p)
     acc = new_accumulator(q)
     cur = [k.contiguous(), v.contiguous()]
     for step in range(p):
         src = (r - step) % p
         if step < p - 1:
             nxt, reqs = _exchange(pg, cur)
-        attend_forward(q, cur[0], cur[1], q_chunks, _chunks_of(all_chunks, src, p), causal, scale, acc, mask)
+        attend_forward(q, cur[0], cur[1], q_chunks, chunks_of(all_chunks, src, p), causal, scale, acc, mask)
         if step < p - 1:
             wait_all(reqs, "send_recv", pg.group_name)
             cur = nxt
@@ -76,7 +76,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   all_chunks: list[int], causal: bool, scale: float,
                   pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
-    q_chunks = _chunks_of(all_chunks, r, p)
+    q_chunks = chunks_of(all_chunks, r, p)
     dout = dout.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     cur = [k.contiguous(), v.contiguous()]
@@ -86,7 +86,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         src = (r - step) % p
         if step < p - 1:
             nxt, reqs = _exchange(pg, cur)
-        attend_backward(dout, q, cur[0], cur[1], out, lse, q_chunks, _chunks_of(all_chunks, src, p),
+        attend_backward(dout, q, cur[0], cur[1], out, lse, q_chunks, chunks_of(all_chunks, src, p),
                         causal, scale, dq, dkv[0], dkv[1], mask)
         # The accumulator follows its block; after P hops it is home with every contribution.
         dkv, dreqs = _exchange(pg, dkv)
