@@ -1,15 +1,20 @@
-"""Ulysses' all-to-alls overlapped with attention: head groups pipelined, measured against unpipelined.
+"""SP collectives overlapped with attention, measured against their blocking forms.
 
-    python bench/overlap.py [--ranks 2 4] [--seq-len 16384] [--repeats 5] [--chunks 1 2 4]
+    python bench/overlap.py [--ranks 2 4] [--seq-len 16384] [--repeats 5] [--chunks 1 2 4] [--specs ...]
+
+Ulysses' all-to-alls pipelined in K head groups, all-gather-KV's gather and reduce-scatter beside
+the own block (``allgather_kv:overlap``); ``SPEC@zigzag`` runs a spec on the zigzag layout.
 
 The benches' tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, fp32, random weights), batch 1,
-on N gloo ranks with one thread each. For each head-group count K (``ulysses:cK``; K = 1 is plain
-Ulysses, every all-to-all blocking) and ``zigzag_ring`` / ``allgather_kv`` for reference: the
-median step time, and the *exposed communication* per step: the seconds rank 0's compute thread
-spent blocked in the strategy's collectives (waiting for an all-to-all, or inside a blocking one),
-counted at run time (``sp.report()``'s ``blocked_s``). Blocked time includes waiting for a slower
-peer: all-gather-KV's contiguous layout gives the last rank the most causal work, so rank 0 waits. Next to them: the cost model's prediction of both (profile
-``cpu-gloo``, with its measured concurrency slowdowns), and the planner's choice of K. Losses of
+on N gloo ranks with one thread each. For each configuration: the median step time, and the
+*exposed communication* per step: the seconds the compute thread spent blocked in the strategy's
+collectives (waiting for an in-flight transfer, or inside a blocking one), counted at run time
+(``sp.report()``'s ``blocked_s``) on every rank: of the rank that waited most, and of the one that
+waited least (the busiest, whose waits lie on the step's critical path). Blocked time includes
+waiting for a slower peer: under the contiguous layout all-gather-KV's last rank does the most
+causal work and the others wait for it (the zigzag rows balance it). Ratios are against the same
+strategy's blocking form. Next to them: the cost model's prediction of both (profile ``cpu-gloo``,
+with its measured concurrency slowdowns), and the planner's choice within each family. Losses of
 all configurations must agree (the same model and batch), checked before printing.
 """
 
@@ -37,7 +42,8 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
     models, waited, losses, calls = {}, {s: [] for s in specs}, {}, {}
     for spec in specs:
         torch._dynamo.reset()
-        models[spec] = autosp.compile(tiny_model(), strategy=spec)
+        strategy, _, layout = spec.partition("@")
+        models[spec] = autosp.compile(tiny_model(), strategy=strategy, layout=layout or None)
 
     def step(spec: str) -> None:
         sp = models[spec]
@@ -47,13 +53,20 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
             p.grad = None
         losses[spec] = loss.item()
         issued = sp.report().collectives          # read before another model's step adds to the tally
-        waited[spec].append(sum(c.get("blocked_s", 0.0) for kind, c in issued.items()
-                                if kind not in ("all_reduce", "grad_all_reduce")))
+        mine = sum(c.get("blocked_s", 0.0) for kind, c in issued.items()
+                   if kind not in ("all_reduce", "grad_all_reduce"))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        waited[spec].append(every)
         calls[spec] = issued.get("all_to_all", {}).get("calls", 0)
 
     times = interleaved_times(specs, step, repeats, dist.barrier)
     waited = {spec: w[-repeats:] for spec, w in waited.items()}     # the timed steps'
-    return [dict(spec=spec, time=statistics.median(times[spec]), exposed=statistics.median(waited[spec]),
+    # per step: the rank that waited most, and the one that waited least (the busiest: its waits
+    # lie on the step's critical path; a less loaded rank's include waiting for it)
+    return [dict(spec=spec, time=statistics.median(times[spec]),
+                 exposed=statistics.median(max(w) for w in waited[spec]),
+                 critical=statistics.median(min(w) for w in waited[spec]),
                  loss=losses[spec], calls=calls[spec])
             for spec in specs]
 
@@ -70,11 +83,15 @@ def predicted(world: int, seq_len: int, specs: list[str]) -> tuple[dict[str, tup
     g = capture(model, seq_len=seq_len, batch_size=1, dtype="float32")
     out = {}
     for spec in specs:
-        p = predict(g, prof, sp=world, strategy=spec, seq_len=seq_len)
+        strategy, _, layout = spec.partition("@")
+        p = predict(g, prof, sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len)
         out[spec] = (p.total_s, p.attention_exposed_s)
-    chosen = plan(None, graph=g, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
-                  checkpoints=("none",), strategies=("ulysses",), memory_limit=float("inf"))
-    return out, chosen.layers[0]["strategy"]
+    chosen = {}
+    for family in ("ulysses", "allgather_kv"):
+        best = plan(None, graph=g, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
+                    checkpoints=("none",), strategies=(family,), memory_limit=float("inf"))
+        chosen[family] = best.layers[0]["strategy"]
+    return out, chosen
 
 
 def main() -> None:
@@ -83,28 +100,46 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--specs", nargs="+", default=["zigzag_ring", "allgather_kv", "allgather_kv:overlap",
+                                                    "allgather_kv@zigzag", "allgather_kv:overlap@zigzag"],
+                    help="strategies measured besides ulysses:cK (SPEC@zigzag: on the zigzag layout)")
     args = ap.parse_args()
     print(f"tiny Llama, S = {args.seq_len}, one thread per rank, median of {args.repeats} steps; exposed = "
-          "seconds rank 0's compute waited on SP collectives per step")
-    print("| ranks | strategy | step (s) | exposed comm (s) | exposed / K=1 | step / K=1 | predicted step (s) "
-          "| predicted exposed (s) | all-to-alls |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "seconds the most-waiting rank's compute waited on SP collectives per step; ratios against the "
+          "same strategy's blocking form (ulysses, allgather_kv on the same layout)")
+    print("| ranks | strategy | step (s) | exposed, most-waiting rank (s) | / blocking | exposed, least-waiting "
+          "rank (s) | / blocking | step / blocking | predicted step (s) | predicted exposed (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world in args.ranks:
         specs = [("ulysses" if k == 1 else f"ulysses:c{k}") for k in args.chunks if 8 % (k * world) == 0]
-        specs += ["zigzag_ring", "allgather_kv"]
+        specs += args.specs
         rows = spawn_gloo(measure, world, threads=1, seq_len=args.seq_len, specs=specs, repeats=args.repeats)
         losses = {round(r["loss"], 4) for r in rows}
         assert len(losses) == 1, f"configurations disagree on the loss: {rows}"
         pred, chosen = predicted(world, args.seq_len, specs)
-        base = rows[0]
+        by_spec = {r["spec"]: r for r in rows}
         for r in rows:
             pt, pe = pred[r["spec"]]
+            base = by_spec.get(blocking_form(r["spec"]), r)
             print(f"| {world} | {r['spec']} | {r['time']:.3f} | {r['exposed']:.3f} | "
-                  f"{r['exposed'] / base['exposed']:.2f}x | {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} "
-                  f"| {r['calls']} |")
-        best = min((r for r in rows if r["spec"].startswith("ulysses")), key=lambda r: r["time"])
-        print(f"| {world} | planner's choice: {chosen} | measured best: {best['spec']} "
-              f"({pred_gap(rows, chosen, best):+.1%} step vs the best) | | | | | | |")
+                  f"{ratio(r['exposed'], base['exposed'])} | {r['critical']:.3f} | {ratio(r['critical'], base['critical'])} "
+                  f"| {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} |")
+        for family, pick in chosen.items():
+            measured = [r for r in rows if r["spec"].split("@")[0].split(":")[0] == family and "@" not in r["spec"]]
+            if not measured:
+                continue
+            best = min(measured, key=lambda r: r["time"])
+            print(f"| {world} | planner's choice: {pick} | measured best: {best['spec']} "
+                  f"({pred_gap(rows, pick, best):+.1%} step vs the best) | | | | | | | |")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def blocking_form(spec: str) -> str:
+    strategy, at, layout = spec.partition("@")
+    return strategy.split(":")[0] + at + layout
 
 
 def pred_gap(rows: list[dict], chosen: str, best: dict) -> float:

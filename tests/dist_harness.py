@@ -44,6 +44,10 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
             result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         outbox.put((rank, result))
     dist.destroy_process_group()
+    # Skip the interpreter's teardown (seconds once many models were compiled); the results are sent.
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)
 
 
 class Pool:
