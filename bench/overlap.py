@@ -84,12 +84,13 @@ def predicted(world: int, seq_len: int, specs: list[str]) -> tuple[dict[str, tup
     out = {}
     for spec in specs:
         strategy, _, layout = spec.partition("@")
-        p = predict(g, prof, sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len)
+        p = predict(g, prof, sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len,
+                    devices_per_node=world)       # every rank on this machine
         out[spec] = (p.total_s, p.attention_exposed_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
         best = plan(None, graph=g, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
-                    checkpoints=("none",), strategies=(family,), memory_limit=float("inf"))
+                    checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world)
         chosen[family] = best.layers[0]["strategy"]
     return out, chosen
 

@@ -87,7 +87,7 @@ def planned(world: int, seq: int, heads: int, kv: int, hidden: int) -> str:
     g = capture(ModelSource(f"tiny-h{heads}-kv{kv}-d{hidden}", hf_config=config(heads, kv, hidden)), seq_len=seq,
                 dtype="float32")
     p = plan(None, graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
-             checkpoints=("none",), memory_limit=float("inf"))
+             checkpoints=("none",), memory_limit=float("inf"), devices_per_node=world)   # as the launch says
     return p.layers[0]["strategy"]
 
 

@@ -27,6 +27,10 @@ Time (per device, one step):
             The gradient reduction of ZeRO stages 0/1 moves in buckets beside the backward
             (:func:`_gradient_comm`). Every other transfer is exposed in full
   total     compute + exposed
+  sharing   more ranks on a node than the profile has devices (the launch's ranks per node
+            above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
+            every compute time x (ranks on the node / devices); collectives are measured at
+            their group size, sharing included
 
 Memory (per device): model states (:func:`autosp.costmodel.memory.model_states`),
 the liveness peak of the captured schedule at S/P tokens, activations saved by the
@@ -148,6 +152,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     else:
         strat = resolve(strategy)
     mesh = SPMesh(sp, layout or required_layout([strat]) or "contiguous", dpn)
+    share = max(1.0, min(sp * dp, dpn) / profile.devices_per_node)
+    overhead = share * profile.op_overhead_s
     # Per attention shape: its cost and kernel times (forward, backward), computed once.
     costs: dict[AttentionShape, tuple[AttentionCost, float, float]] = {}
     p = Prediction(strategy=strat.spec, sp=sp, dp=dp, seq_len=S, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
@@ -165,7 +171,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                     raise AutospError(f"strategy '{strat.spec}' cannot run {graph.model_name}'s attention: "
                                       f"it {reason}")
                 cost = strat.cost(shape, mesh)
-                costs[shape] = (cost, kernel_time(profile, cost, dtype, False), kernel_time(profile, cost, dtype, True))
+                costs[shape] = (cost, share * kernel_time(profile, cost, dtype, False),
+                                share * kernel_time(profile, cost, dtype, True))
             cost, t_fwd, t_bwd = costs[shape]
             t = t_bwd if a.phase == "bwd" else t_fwd
             if a.phase == "bwd":
@@ -177,22 +184,22 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 p.attention_exposed_s += w * exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
-            t = profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
+            t = share * profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
             if a.layer is None and a.phase == "fwd":
-                p.head_forward_s += w * (t + profile.op_overhead_s)
+                p.head_forward_s += w * (t + overhead)
         else:
-            t = profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
+            t = share * profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
             if a.layer is not None and a.phase == "fwd":
-                p.layer_forward_pointwise_s += w * (t + profile.op_overhead_s)
-        p.compute_s += w * (t + profile.op_overhead_s)
+                p.layer_forward_pointwise_s += w * (t + overhead)
+        p.compute_s += w * (t + overhead)
         if a.phase == "bwd":
-            backward_s += w * (t + profile.op_overhead_s)
+            backward_s += w * (t + overhead)
         if a.layer is not None:
-            p.layer_compute_s += w * (t + profile.op_overhead_s)
+            p.layer_compute_s += w * (t + overhead)
             if a.phase == "fwd":
-                p.layer_forward_s += w * (t + profile.op_overhead_s)
+                p.layer_forward_s += w * (t + overhead)
                 if a.region in mlps:
-                    p.mlp_forward_s += w * (t + profile.op_overhead_s)
+                    p.mlp_forward_s += w * (t + overhead)
 
     p.attention_saved = {}
     for fp, lc in graph.layer_classes.items():

@@ -92,6 +92,6 @@ def predicted(rows: list[dict[str, Any]], profile: str = "cpu-gloo") -> list[dic
         s = r["seq_len"]
         if s not in graphs:
             graphs[s] = capture("tiny", seq_len=s, dtype="float32")
-        p = predict(graphs[s], prof, sp=r["sp"], strategy=r["strategy"])
+        p = predict(graphs[s], prof, sp=r["sp"], strategy=r["strategy"], devices_per_node=r["sp"])  # all local
         out.append({**r, "pred_time": p.total_s, "pred_peak": p.memory["step_peak"]})
     return out
