@@ -64,8 +64,9 @@ def measure(cases: list[tuple], repeats: int) -> list[dict]:
         for spec in specs:
             torch._dynamo.reset()
             torch.manual_seed(0)
+            strategy, _, layout = spec.partition("@")          # SPEC@LAYOUT: the plan's layout
             models[spec] = autosp.compile(transformers.AutoModelForCausalLM.from_config(config(heads, kv, hidden)),
-                                          strategy=spec)
+                                          strategy=strategy, layout=layout or None)
 
         def step(spec: str) -> None:
             models[spec](input_ids=ids, labels=ids).loss.backward()
@@ -83,12 +84,16 @@ def planned(world: int, seq: int, heads: int, kv: int, hidden: int) -> str:
     from autosp.graph import capture
     from autosp.graph.catalog import ModelSource
     from autosp.planner.search import plan
+    from autosp.strategies import resolve
 
     g = capture(ModelSource(f"tiny-h{heads}-kv{kv}-d{hidden}", hf_config=config(heads, kv, hidden)), seq_len=seq,
                 dtype="float32")
     p = plan(None, graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
              checkpoints=("none",), memory_limit=float("inf"), devices_per_node=world)   # as the launch says
-    return p.layers[0]["strategy"]
+    spec = p.layers[0]["strategy"]
+    # the plan's token layout is part of the pick (all-gather-KV may be planned on zigzag)
+    own = resolve(spec).layout or "contiguous"
+    return spec if p.layout == own else f"{spec}@{p.layout}"
 
 
 def main() -> None:
