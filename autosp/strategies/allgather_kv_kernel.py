@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autosp.strategies.blockwise import acc_dtype, attend_backward, attend_forward, new_accumulator
-from autosp.strategies.collectives import resolve_group, tally, wait_all
+from autosp.strategies.collectives import group_size, resolve_group, tally, wait_all
 from autosp.strategies.ring_kernel import chunks_of
 
 
@@ -103,13 +103,9 @@ def allgather_kv_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 @allgather_kv_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, all_chunks: list[int], causal: bool, scale: float,
       group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    p = _group_size(group_name)
+    p = group_size(group_name)
     return (q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=acc_dtype(q)),
             k.new_empty((p, *k.shape)), v.new_empty((p, *v.shape)))
-
-
-def _group_size(group_name: str) -> int:
-    return dist.get_world_size(resolve_group(group_name))
 
 
 @torch.library.custom_op("autosp::allgather_kv_attention_backward", mutates_args=())
