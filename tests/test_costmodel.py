@@ -12,7 +12,9 @@ from autosp.graph import capture
 
 
 def test_monotone_and_loglog_interpolation():
-    assert monotone([(4, 1.0), (2, 2.0), (8, 3.0)]) == [(2, 2.0), (4, 2.0), (8, 3.0)]
+    # the lower envelope: one slow sample at a small size lifts nothing above it
+    assert monotone([(4, 1.0), (2, 2.0), (8, 3.0)]) == [(2, 1.0), (4, 1.0), (8, 3.0)]
+    assert monotone([(1, 5.0), (2, 1.0), (2, 0.5), (4, 2.0)]) == [(1, 0.5), (2, 0.5), (4, 2.0)]
     t = LogLogTable([(10, 1.0), (1000, 100.0)])
     assert t(100) == pytest.approx(10.0)            # straight line in log-log
     assert t(1) == pytest.approx(1.0)               # below the table: the smallest time

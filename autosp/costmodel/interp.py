@@ -1,8 +1,11 @@
 """Table lookups: monotone log-log interpolation, and an alpha-beta fit for collectives.
 
 Measured tables are noisy: a larger transfer can time faster than a smaller one.
-``monotone`` replaces each time by the running maximum over sizes, so that a
-prediction never decreases with size. Between points, time is interpolated
+The noise only ever adds time (a descheduled rank, a cold cache), so ``monotone``
+takes the lower envelope: each time becomes the least time measured at that size or
+any larger one, and a prediction never decreases with size. (The running maximum
+would let one slow sample at a small size lift every size above it.)
+Between points, time is interpolated
 linearly in log(size)-log(time) space; beyond the last point it extrapolates
 with the slope of the last segment (at most linear, the bandwidth-bound limit)
 and says so when it goes further than ``FAR`` times the table's range.
@@ -19,16 +22,18 @@ FAR = 64.0      # extrapolating past 64x the largest measured size earns a warni
 
 
 def monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted by size, sizes > 0, times made non-decreasing."""
+    """Sorted by size, sizes > 0, times made non-decreasing by the lower envelope from above:
+    t(x) = min over measured sizes >= x."""
     pts = sorted((float(x), float(t)) for x, t in points if x > 0 and t > 0)
     out: list[tuple[float, float]] = []
-    best = 0.0
-    for x, t in pts:
-        best = max(best, t)
+    best = float("inf")
+    for x, t in reversed(pts):
+        best = min(best, t)
         if out and out[-1][0] == x:
+            out[-1] = (x, best)
             continue
         out.append((x, best))
-    return out
+    return out[::-1]
 
 
 @dataclass

@@ -29,8 +29,9 @@ Time (per device, one step):
   total     compute + exposed
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
-            every compute time x (ranks on the node / devices); collectives are measured at
-            their group size, sharing included
+            every compute time x (ranks on the node / devices), attention kernels at least the
+            busiest rank's alone (:func:`kernel_time`); collectives are measured at their group
+            size, sharing included
 
 Memory (per device): model states (:func:`autosp.costmodel.memory.model_states`),
 the liveness peak of the captured schedule at S/P tokens, activations saved by the
@@ -95,11 +96,16 @@ def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
                           window=ev(a.window), documents=tuple(documents), dropout=dropout)
 
 
-def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool) -> float:
-    """Attention kernel time of the busiest rank."""
-    return max(sum(c.count * profile.attention_call_time(c.heads, c.q_len, c.kv_len, c.head_dim, c.causal,
-                                                         dtype, backward) for c in calls)
-               for calls in cost.kernels)
+def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool,
+                share: float = 1.0) -> float:
+    """Attention kernel time of the busiest rank. Ranks sharing devices (``share`` ranks per
+    device) finish together no sooner than the busiest rank alone and than their summed work
+    spread over the devices: max(max_r t_r, share * mean_r t_r). A rank that waits for a
+    busier one yields its device to it (causal imbalance costs less when devices are shared)."""
+    per_rank = [sum(c.count * profile.attention_call_time(c.heads, c.q_len, c.kv_len, c.head_dim, c.causal,
+                                                          dtype, backward) for c in calls)
+                for calls in cost.kernels]
+    return max(max(per_rank), share * sum(per_rank) / len(per_rank))
 
 
 def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, t_bwd: float) -> tuple[float, float]:
@@ -171,8 +177,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                     raise AutospError(f"strategy '{strat.spec}' cannot run {graph.model_name}'s attention: "
                                       f"it {reason}")
                 cost = strat.cost(shape, mesh)
-                costs[shape] = (cost, share * kernel_time(profile, cost, dtype, False),
-                                share * kernel_time(profile, cost, dtype, True))
+                costs[shape] = (cost, kernel_time(profile, cost, dtype, False, share),
+                                kernel_time(profile, cost, dtype, True, share))
             cost, t_fwd, t_bwd = costs[shape]
             t = t_bwd if a.phase == "bwd" else t_fwd
             if a.phase == "bwd":

@@ -112,8 +112,11 @@ class HardwareProfile:
 
         Tables with shaped rows are looked up at the nearest measured head count and
         interpolated in the attended area (q_len x kv_len, halved when causal), scaled by
-        heads and head_dim: kernels are not linear in heads on every device. Tables of
-        FLOP-keyed rows (published profiles) fall back to :meth:`attention_time`.
+        heads: kernels are not linear in heads on every device. Across head dims the time is
+        affine (a per-score part and a per-score-per-dim part): with rows at two or more head
+        dims it is interpolated (or extrapolated) linearly between the two nearest, with one
+        it scales with the head dim. Tables of FLOP-keyed rows (published profiles) fall back
+        to :meth:`attention_time`.
         """
         kind = "attention_backward" if backward and self.data["compute"].get("attention_backward") else "attention"
         tables = self.data["compute"][kind]
@@ -128,12 +131,23 @@ class HardwareProfile:
         target = max(heads, 1e-9)
         h0 = min({r["batch"] * r["heads"] for r in shaped}, key=lambda h: abs(math.log(h / target)))
         sel = [r for r in shaped if r["batch"] * r["heads"] == h0]
-        d0 = sel[0]["head_dim"]
-        key = f"{kind}.{dtype}.shape.{h0}"
-        if key not in self._tables:
-            pts = [(r["q_len"] * r["kv_len"] * (0.5 if r.get("causal") else 1.0), r["seconds"]) for r in sel]
-            self._tables[key] = LogLogTable(pts, f"{self.name}:{key}")
-        return self._tables[key](area) * target / h0 * head_dim / d0
+        dims = sorted({r["head_dim"] for r in sel}, key=lambda d: (abs(d - head_dim), d))[:2]
+
+        def at(d: int) -> float:
+            key = f"{kind}.{dtype}.shape.{h0}.{d}"
+            if key not in self._tables:
+                pts = [(r["q_len"] * r["kv_len"] * (0.5 if r.get("causal") else 1.0), r["seconds"])
+                       for r in sel if r["head_dim"] == d]
+                self._tables[key] = LogLogTable(pts, f"{self.name}:{key}")
+            return self._tables[key](area)
+
+        if len(dims) == 1:
+            t_h0 = at(dims[0]) * head_dim / dims[0]
+        else:
+            (d1, t1), (d2, t2) = sorted((d, at(d)) for d in dims)
+            affine = t1 + (t2 - t1) * (head_dim - d1) / (d2 - d1)
+            t_h0 = max(affine, t1 * min(1.0, head_dim / d1) / 4)    # never below a quarter of linear
+        return t_h0 * target / h0
 
     def concurrency(self) -> tuple[float, float]:
         """(collective slowdown, compute slowdown) while both run at once, as measured

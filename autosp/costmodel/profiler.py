@@ -2,14 +2,22 @@
 
     torchrun --nproc-per-node 2 -m autosp.cli profile --out my.json [--quick]
 
-Rank 0 times compute (matmul, attention forward/backward, a memory-bound op,
-the per-op floor) with one device per rank (on CPU: one core, one thread);
-every rank takes part in the collectives over the whole group and, when the
-world has 4+ ranks, over its first 2, and in the concurrency measurement: how
-much an all-to-all and a matmul slow each other down when they run at once
-(what an overlapped schedule gets; see :func:`measure_concurrency`). Each point: warm-up, repeats, median;
-tables are made monotone when loaded. A time budget bounds the whole run
-(``--quick``: about 1 minute on a 2-core CPU).
+Compute (matmul, attention forward/backward, a memory-bound op, the per-op floor) is timed
+on the node's devices at once, one rank per device (on CPU: one core, one thread, the first
+``cores`` ranks), as SP ranks compute side by side; rank 0's times are kept. Ranks beyond
+the devices (4 processes on a 2-core machine) wait meanwhile: what they share is costed by
+the cost model's sharing factor. Every rank takes part in the collectives over the whole
+group and, when the world has 4+ ranks, over its first 2, and rank 0 and its device peers in
+the concurrency measurement: how much an all-to-all and a matmul slow each other down when
+they run at once (what an overlapped schedule gets; see :func:`measure_concurrency`). Each
+point: warm-up, repeats, median; tables are made monotone when loaded. A time budget bounds
+the whole run (``--quick``: about 1 minute on a 2-core CPU); every rank stops at the same
+point.
+
+The CPU grid is generic: square and rectangular matmuls at dimensions 112, 288 and 1152 over
+128-8192 rows, attention at 2 and 8 heads and head dims 24 and 96 (the cost model
+interpolates in head dim between them). No shape is a test or bench model's, so that the
+cost model's validation (``bench/costmodel_heldout.py``) runs out of sample.
 """
 
 from __future__ import annotations
@@ -28,8 +36,28 @@ from autosp.costmodel.profile import SCHEMA
 from autosp.tools.launch import median_time
 
 
-def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    return median_time(fn, repeats, barrier=sync, sync=sync, warmup=True)
+def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
+            start: Callable[[], None] | None = None, group: Any = "none") -> float:
+    """Median of ``fn`` closed by ``sync``; each call begins after ``start`` (default ``sync``),
+    which is not timed: the devices' ranks start a compute point together, and a barrier's
+    latency is no part of a kernel's time. A point whose warm-up call takes over half a second
+    gets at most 3 repeats; with ``group`` (a process group, None: the world) its ranks agree
+    on that count, else a rank would wait at the next barrier for calls the others never make."""
+    begin = start or sync
+    begin()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    long = time.perf_counter() - t0 > 0.5
+    if group != "none":
+        flag = torch.tensor([1.0 if long else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        long = flag.item() > 0
+    return median_time(fn, min(repeats, 3) if long else repeats, barrier=begin, sync=sync)
+
+
+GENERIC_DIMS = (112, 288, 1152)          # matmul n and k on CPU: no test or bench model has them
+FLUSH_BYTES = 64 * 2**20                 # written between memory-bound samples: more than a CPU's caches
 
 
 def _grids(quick: bool, cuda: bool) -> dict[str, list]:
@@ -38,19 +66,15 @@ def _grids(quick: bool, cuda: bool) -> dict[str, list]:
         attn = [(1, 32, s, 128) for s in (1024, 2048, 4096, 8192, 16384)]
         mem = [2 ** p for p in range(16, 31, 2)]
         coll = [2 ** p for p in range(12, 31, 3)]
-    else:
-        mm = [(m, 256, 256) for m in (64, 512, 2048, 8192)] + [(2048, 688, 256), (2048, 256, 688),
-                                                                (2048, 2048, 256), (256, 256, 2048)]
-        # several head counts: Ulysses runs attention on H/P heads, and CPU kernels are not
-        # linear in heads
-        attn = [(1, h, s, 32) for h in (2, 4, 8) for s in (256, 1024, 2048, 4096)]
-        mem = [2 ** p for p in range(12, 27, 2)]
-        coll = [2 ** p for p in range(10, 26, 3)]
-        if not quick:
-            mm += [(16384, 256, 256), (8192, 688, 256), (8192, 2048, 256), (256, 2048, 8192)]
-            attn += [(1, h, 8192, 32) for h in (2, 4, 8)] + [(1, h, 16384, 32) for h in (4, 8)]
-            mem += [2 ** 28]
-            coll += [2 ** 27]
+        return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
+    rows = (128, 1024) if quick else (128, 1024, 8192)
+    dims = [(d, d) for d in GENERIC_DIMS] + ([] if quick else [(112, 1152), (1152, 112), (288, 1152), (1152, 288)])
+    mm = [(m, n, k) for m in rows for n, k in dims]
+    # heads and head dims bracket a model's local ones; kernels are affine in the head dim
+    lens = (256, 1024) if quick else (512, 2048, 8192)
+    attn = [(1, h, s, d) for h in (2, 8) for d in (24, 96) for s in lens]
+    mem = [2 ** p for p in range(12, 27 if quick else 29, 2)]
+    coll = [2 ** p for p in range(10, 26, 3)] + ([] if quick else [2 ** 27])
     return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
 
 
@@ -76,22 +100,42 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
     collectives: dict[str, Any] = {}
     n_tasks = (len(grids["matmul"]) + 2 * len(grids["attention"])) * len(dtypes) + len(grids["memory"]) + \
         5 * len(grids["collective"]) * (2 if world >= 4 else 1)
+    # The devices compute at once: one rank per CUDA device, on CPU one per core.
+    n_dev = world if cuda else min(world, _cores())
+    cgroup = dist.new_group(list(range(n_dev))) if distributed and n_dev < world else None
+    computes = rank < n_dev
+    peers = cgroup if distributed and n_dev > 1 else "none"      # the ranks that time compute together
+
+    def together() -> None:
+        sync()
+        if distributed and n_dev > 1:
+            dist.barrier(group=cgroup)
+
+    def agreed_over(group: Any = None, on: bool = True) -> bool:
+        """The budget, agreed by every rank of ``group`` (else they would part ways at a barrier)."""
+        if not distributed or not on:
+            return over()
+        flag = torch.tensor([1.0 if over() else 0.0], device=device)
+        dist.all_reduce(flag, group=group)
+        return flag.item() > 0
+
     with Progress(disable=rank != 0, transient=False) as bar:
         task = bar.add_task("profiling", total=n_tasks)
-        if rank == 0:
+        if computes:
+            cover = lambda: agreed_over(cgroup, n_dev > 1)  # noqa: E731
             for dt in dtypes:
                 dtype = getattr(torch, dt)
                 rows = []
                 for m, n, k in grids["matmul"]:
-                    if over():
+                    if cover():
                         break
                     a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-                    rows.append(dict(m=m, n=n, k=k, seconds=_timeit(lambda: a @ b, repeats, sync)))
+                    rows.append(dict(m=m, n=n, k=k, seconds=_timeit(lambda: a @ b, repeats, sync, together, peers)))
                     bar.advance(task)
                 compute["matmul"][dt] = rows
                 fwd, bwd = [], []
                 for b_, h, s, d in grids["attention"]:
-                    if over():
+                    if cover():
                         break
                     q, k_, v = (torch.randn(b_, h, s, d, device=device, dtype=dtype, requires_grad=True)
                                 for _ in range(3))
@@ -99,25 +143,35 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
                     g = torch.randn_like(o)
                     fwd.append(dict(batch=b_, heads=h, q_len=s, kv_len=s, head_dim=d, causal=True,
                                     seconds=_timeit(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True),
-                                                    repeats, sync)))
+                                                    repeats, sync, together, peers)))
                     bar.advance(task)
 
                     def fb() -> None:
                         out_ = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
                         torch.autograd.grad(out_, (q, k_, v), g)
 
-                    t_fb = _timeit(fb, repeats, sync)
+                    t_fb = _timeit(fb, repeats, sync, together, peers)
                     bwd.append(dict(batch=b_, heads=h, q_len=s, kv_len=s, head_dim=d, causal=True, backward=True,
                                     seconds=max(t_fb - fwd[-1]["seconds"], 1e-9)))
                     bar.advance(task)
                 compute["attention"][dt] = fwd
                 compute["attention_backward"][dt] = bwd
+            # A step's pointwise ops read tensors made long before, not the cache-warm operands
+            # of a loop: caches are flushed before each call (on CPU; a GPU's L2 is small).
+            scratch = None if cuda else torch.empty(FLUSH_BYTES // 4)
+
+            def cold() -> None:
+                if scratch is not None:
+                    scratch.fill_(1.0)
+                together()
+
             for nbytes in grids["memory"]:
-                if over():
+                if cover():
                     break
                 n = nbytes // 12                     # c = a + b in fp32 moves 3 x 4 bytes per element
                 a, b = torch.randn(n, device=device), torch.randn(n, device=device)
-                compute["memory_bound"].append(dict(bytes=12 * n, seconds=_timeit(lambda: a + b, repeats, sync)))
+                t = _timeit(lambda: a + b, repeats, sync, cold, peers)
+                compute["memory_bound"].append(dict(bytes=12 * n, seconds=t))
                 bar.advance(task)
             tiny = torch.ones(1, device=device)
             overhead = _timeit(lambda: tiny + tiny, 50, sync)
@@ -132,19 +186,21 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
                 for name in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv"):
                     rows = []
                     for nbytes in grids["collective"]:
-                        flag = torch.tensor([1.0 if over() else 0.0], device=device)
-                        dist.all_reduce(flag)          # every rank stops at the same point
-                        if flag.item() > 0:
+                        if agreed_over():
                             break
-                        if member:
-                            secs = _time_collective(name, nbytes, p, pg, device, repeats, sync)
+                        if member:       # small ones are latency, noisy where ranks share cores: more samples
+                            reps = max(repeats, 15) if nbytes <= 2 ** 20 else repeats
+                            secs = _time_collective(name, nbytes, p, pg, device, reps, sync)
                             rows.append(dict(bytes=nbytes, seconds=secs))
                         if rank == 0:
                             bar.advance(task)
                     dist.barrier()
                     if rank == 0 and rows:
                         collectives.setdefault(name, {"intra": {}, "inter": {}})["intra"][str(p)] = rows
-    concurrency = measure_concurrency(device, sync) if distributed else None
+    # beside the devices' compute, as SP ranks overlap (extra ranks sharing them would skew it)
+    concurrency = measure_concurrency(device, sync, cgroup) if distributed and n_dev > 1 and computes else None
+    if concurrency and n_dev < world:
+        concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
     if rank != 0:
         return {}
     doc = {
@@ -195,12 +251,13 @@ def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.devi
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
 
-    return _timeit(lambda: (fn(), dist.barrier(group=pg)), repeats, sync)
+    return _timeit(lambda: (fn(), dist.barrier(group=pg)), repeats, sync, group=pg)
 
 
-def measure_concurrency(device: torch.device, sync: Callable[[], None], repeats: int = 5,
+def measure_concurrency(device: torch.device, sync: Callable[[], None], group: Any = None, repeats: int = 5,
                         pieces: int = 16) -> dict[str, Any]:
-    """Slowdowns of a collective and of compute running at once, on every rank of the world.
+    """Slowdowns of a collective and of compute running at once, on every rank of ``group``
+    (default: the world).
 
     Alone: a matmul loop (``pieces`` equal matmuls) and an all-to-all sized to take about as
     long. Together: the all-to-all issued asynchronously, then the loop, checking after each
@@ -221,19 +278,21 @@ def measure_concurrency(device: torch.device, sync: Callable[[], None], repeats:
     # an all-to-all about as long as the loop: scale a 4 MiB one's time
     x = torch.randn(1 << 20, device=device)
     y = torch.empty_like(x)
-    t_small = _timeit(lambda: (dist.all_to_all_single(y, x), dist.barrier()), repeats, sync)
+    t_small = _timeit(lambda: (dist.all_to_all_single(y, x, group=group), dist.barrier(group=group)), repeats, sync,
+                     group=group)
     numel = int(min(1 << 26, max(1 << 16, (1 << 20) * t_compute / max(t_small, 1e-9)))) // 64 * 64
     agreed = torch.tensor([numel], dtype=torch.int64, device=device)
-    dist.broadcast(agreed, src=0)                  # every rank sends the same size
+    dist.broadcast(agreed, src=0, group=group)                  # every rank sends the same size
     numel = int(agreed.item())
     x = torch.randn(numel, device=device)
     y = torch.empty_like(x)
-    t_comm = _timeit(lambda: (dist.all_to_all_single(y, x), dist.barrier()), repeats, sync)
+    t_comm = _timeit(lambda: (dist.all_to_all_single(y, x, group=group), dist.barrier(group=group)), repeats, sync,
+                     group=group)
     comm_ratio, compute_ratio = [], []
     for _ in range(repeats):
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
-        work = dist.all_to_all_single(y, x, async_op=True)
+        work = dist.all_to_all_single(y, x, group=group, async_op=True)
         done = None
         for _ in range(pieces):
             a @ b
@@ -243,7 +302,7 @@ def measure_concurrency(device: torch.device, sync: Callable[[], None], repeats:
         t_loop = time.perf_counter() - t0
         work.wait()
         done = done if done is not None else time.perf_counter() - t0
-        dist.barrier()
+        dist.barrier(group=group)
         comm_ratio.append(done / t_comm)
         compute_ratio.append(t_loop / t_compute)
     return {"comm_slowdown": max(1.0, statistics.median(comm_ratio)),

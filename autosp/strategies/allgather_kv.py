@@ -99,7 +99,9 @@ class AllGatherKV(Strategy):
             kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
             transfers=[Transfer("all_gather", p, shard, "fwd", 2, inter, beside=beside),
                        Transfer("reduce_scatter", p, shard * p, "bwd", 2, inter, beside=beside)],
-            workspace_bytes=2 * shard * p + 2 * shape.bytes(shape.heads, s_loc))
+            workspace_bytes=2 * shard * p + 2 * shape.bytes(shape.heads, s_loc),
+            # the output's copy, and the whole K and V the op keeps for its backward (both forms)
+            saved_bytes=shape.bytes(shape.heads, s_loc) + 2 * shard * (p - 1))
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "overlap": self.overlapped}

@@ -113,8 +113,10 @@ class AttentionCost:
     kernels: list[list[KernelCall]]    # per rank, its forward calls (backward: the same shapes)
     transfers: list[Transfer]
     workspace_bytes: float             # transient buffers alive around the op
-    # Kept for the backward beyond the attention's own inputs and output, per op: a collective's
-    # result that the next matmul's weight gradient reads (Ulysses' output all-to-all).
+    # Kept for the backward beyond what the fused kernel keeps, per op. The strategies return
+    # a new [B, H, S, D]-contiguous output (a fused kernel's is [B, S, H, D] in memory), so the
+    # layer's transpose-and-contiguous before the output projection copies it, and the
+    # projection saves the copy; gathered inputs that the op saves (all-gather-KV's whole K/V).
     saved_bytes: float = 0.0
 
 

@@ -81,7 +81,8 @@ class Ring(Strategy):
         kv_block = 2 * shape.bytes(shape.kv_heads, shape.seq_len / p)
         return AttentionCost(kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
                              transfers=ring_transfers(kv_block, p, mesh.crosses_nodes, shape.elem_bytes),
-                             workspace_bytes=ring_workspace(shape, mesh))
+                             workspace_bytes=ring_workspace(shape, mesh),
+                             saved_bytes=shape.bytes(shape.heads, shape.seq_len / p))     # the output's copy
 
 
 @register

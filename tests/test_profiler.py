@@ -1,0 +1,111 @@
+"""`autosp profile` as a user runs it, the head-dim interpolation of attention rows, and the
+out-of-sample property of the cost model's held-out validation."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autosp.costmodel import load_profile, predict
+from autosp.costmodel.profiler import GENERIC_DIMS
+from autosp.graph import capture
+from autosp.graph.catalog import ModelSource
+from autosp.tools.validation import HELD_OUT, held_out_config
+
+
+def test_profile_on_two_ranks_writes_a_profile_the_planner_reads(tmp_path):
+    from autosp.tools.launch import free_port
+
+    out = tmp_path / "here.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "autosp.cli", "profile", "--out", str(out), "--quick"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"wrote {out}" in run.stdout
+    doc = json.loads(out.read_text())
+    # the generic grid, both head dims, every collective at the world's size, the concurrency
+    assert {(r["n"], r["k"]) for r in doc["compute"]["matmul"]["float32"]} == {(d, d) for d in GENERIC_DIMS}
+    assert {r["head_dim"] for r in doc["compute"]["attention"]["float32"]} == {24, 96}
+    assert len(doc["compute"]["attention_backward"]["float32"]) == len(doc["compute"]["attention"]["float32"])
+    assert set(doc["collectives"]) == {"all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert all(list(c["intra"]) == ["2"] for c in doc["collectives"].values())
+    assert doc["concurrency"]["comm_slowdown"] >= 1.0 and doc["source"]["where"].endswith("2 rank(s)")
+    prof = load_profile(str(out))
+    g = capture(ModelSource("heldout-a", hf_config=held_out_config("heldout-a")), seq_len=1024, dtype="float32")
+    p = predict(g, prof, sp=2, strategy="ulysses", devices_per_node=2)
+    assert p.total_s > p.compute_s > 0 and p.attention_comm_s > 0
+
+
+def test_a_budget_stops_every_rank_at_the_same_point(tmp_path):
+    """Ranks that stopped at different points would wait for each other at a barrier forever."""
+    from autosp.tools.launch import free_port
+
+    out = tmp_path / "cut.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "autosp.cli", "profile", "--out", str(out), "--quick", "--budget", "0.01"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    measured = len(doc["compute"]["matmul"]["float32"]) + len(doc["compute"]["attention"]["float32"])
+    assert measured < 6 + 8                # cut short: fewer points than the quick grid's
+    assert sum(len(c["intra"].get("2", [])) for c in doc["collectives"].values()) < 5 * 6
+
+
+def _attention_profile(dims: tuple[int, ...]) -> dict:
+    """A profile whose attention rows follow t = heads * area * (a + b * head_dim) exactly."""
+    doc = json.loads(json.dumps(load_profile("cpu-gloo").data))
+    a, b = 2e-9, 1e-10
+    rows = [dict(batch=1, heads=h, q_len=s, kv_len=s, head_dim=d, causal=True,
+                 seconds=h * s * s / 2 * (a + b * d)) for h in (2, 8) for d in dims for s in (512, 2048, 8192)]
+    doc["compute"]["attention"]["float32"] = rows
+    doc["compute"]["attention_backward"]["float32"] = [dict(r, backward=True, seconds=2 * r["seconds"]) for r in rows]
+    return doc
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 80, 128, 16])
+def test_attention_time_is_affine_in_head_dim_between_measured_dims(tmp_path, head_dim):
+    path = tmp_path / "attn.json"
+    path.write_text(json.dumps(_attention_profile((24, 96))))
+    prof = load_profile(str(path))
+    want = 4 * 3072 * 3072 / 2 * (2e-9 + 1e-10 * head_dim)          # 4 heads, 3072 tokens, causal
+    assert prof.attention_call_time(4, 3072, 3072, head_dim, True, "float32") == pytest.approx(want, rel=1e-9)
+    assert prof.attention_call_time(4, 3072, 3072, head_dim, True, "float32", backward=True) == pytest.approx(
+        2 * want, rel=1e-9)
+
+
+def test_one_measured_head_dim_scales_linearly(tmp_path):
+    path = tmp_path / "attn1.json"
+    path.write_text(json.dumps(_attention_profile((32,))))
+    prof = load_profile(str(path))
+    t32 = prof.attention_call_time(8, 2048, 2048, 32, True, "float32")
+    assert prof.attention_call_time(8, 2048, 2048, 64, True, "float32") == pytest.approx(2 * t32, rel=1e-9)
+
+
+def _model_dims(cfg) -> set[int]:
+    head = cfg.hidden_size // cfg.num_attention_heads
+    return {cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, head * cfg.num_key_value_heads}
+
+
+def test_the_held_out_models_share_no_shape_with_the_cpu_profile_or_the_test_models():
+    from autosp.graph.catalog import hf_config
+
+    prof = load_profile("cpu-gloo").data["compute"]
+    grid_dims = {d for r in prof["matmul"]["float32"] for d in (r["n"], r["k"])}
+    grid_head_dims = {r["head_dim"] for r in prof["attention"]["float32"]}
+    grid_lens = {r["q_len"] for r in prof["attention"]["float32"]}
+    tiny = hf_config("tiny")
+    seen_models = [_model_dims(tiny), {256, 688, 1000, 128}]               # the catalogue's and the benches' tiny
+    shapes = set()
+    for name in HELD_OUT:
+        cfg = held_out_config(name)
+        dims = _model_dims(cfg)
+        head = cfg.hidden_size // cfg.num_attention_heads
+        assert not dims & grid_dims, (name, dims & grid_dims)
+        assert head not in grid_head_dims and head != tiny.hidden_size // tiny.num_attention_heads, name
+        assert all(not dims & seen for seen in seen_models), name
+        shapes.add((head, cfg.num_attention_heads // cfg.num_key_value_heads))
+    assert len(shapes) == len(HELD_OUT)                     # three head dims, three GQA ratios
+    assert not {3072, 6144} & grid_lens                      # the bench's lengths are off the profile's
