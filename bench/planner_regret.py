@@ -79,6 +79,9 @@ def measure(cases: list[tuple], repeats: int, compiler: str | None = None, probe
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
+    # up to 16 models of one class alive at once, each compiled for its own instance
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
     rows = []
     for (seq, heads, kv, hidden, specs) in cases:
         ids = torch.randint(0, 2048, (1, seq), generator=torch.Generator().manual_seed(0))

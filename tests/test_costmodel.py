@@ -195,3 +195,22 @@ def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):
     assert last_bucket < short.exposed_comm_s - short.attention_exposed_s < short.gradient_comm_s   # partly
     sharded = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=3)
     assert sharded.exposed_comm_s - sharded.attention_exposed_s == pytest.approx(sharded.gradient_comm_s)
+
+
+def test_ranks_sharing_a_core_finish_with_the_busier_ones_work_spread():
+    # Contiguous causal blocks on 4 ranks: rank r makes 1 causal + r full calls, work 0.5/1.5/2.5/3.5
+    # blocks. One rank per device: the busiest rank's 3.5. Two ranks per device: the 8 blocks over
+    # 2 devices (4) — not twice the busiest (7), since a waiting rank yields its core.
+    from autosp.costmodel.predict import kernel_time
+    from autosp.strategies import AttentionShape, SPMesh, resolve
+
+    class Unit:
+        def attention_call_time(self, heads, q_len, kv_len, head_dim, causal, dtype, backward=False):
+            return 0.5 if causal else 1.0
+
+    shape = AttentionShape(heads=4, kv_heads=4, head_dim=32, seq_len=4096, causal=True)
+    cost = resolve("allgather_kv").cost(shape, SPMesh(4, "contiguous"))
+    assert kernel_time(Unit(), cost, "float32", False) == 3.5
+    assert kernel_time(Unit(), cost, "float32", False, share=2.0) == 4.0
+    zigzag = resolve("zigzag_ring").cost(shape, SPMesh(4, "zigzag"))     # balanced: 2 ranks per core, 2x
+    assert kernel_time(Unit(), zigzag, "float32", False, share=2.0) == 2 * kernel_time(Unit(), zigzag, "float32", False)

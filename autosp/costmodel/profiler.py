@@ -50,7 +50,7 @@ def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
     sync()
     long = time.perf_counter() - t0 > 0.5
     if group != "none":
-        flag = torch.tensor([1.0 if long else 0.0])
+        flag = torch.tensor([1.0 if long else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")  # nccl
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         long = flag.item() > 0
     return median_time(fn, min(repeats, 3) if long else repeats, barrier=begin, sync=sync)
