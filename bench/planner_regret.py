@@ -135,14 +135,17 @@ def planned(world: int, seq: int, heads: int, kv: int, hidden: int, cap_mib: flo
     return spec
 
 
-def states_mib(heads: int, kv: int, hidden: int) -> float:
-    """Parameters + gradients + AdamW's two states, fp32, per rank (replicated: no ZeRO)."""
-    import torch
-    import transformers
+def states_mib(world: int, heads: int, kv: int, hidden: int) -> float:
+    """Parameters + gradients + AdamW's two states per rank (replicated: no ZeRO), as the planner
+    counts them (:func:`autosp.costmodel.memory.model_states`; no length dependence: a short
+    capture)."""
+    from autosp.costmodel.memory import model_states
+    from autosp.graph import capture
+    from autosp.graph.catalog import ModelSource
 
-    with torch.device("meta"):
-        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config(heads, kv, hidden)).parameters())
-    return n * 4 * 4 / 2**20
+    g = capture(ModelSource(f"tiny-h{heads}-kv{kv}-d{hidden}", hf_config=config(heads, kv, hidden)), seq_len=64,
+                dtype="float32")
+    return sum(model_states(g, world, 0).values()) / 2**20
 
 
 def capped_rows(repeats: int, only: list[int] | None) -> list[dict]:
@@ -160,7 +163,7 @@ def capped_rows(repeats: int, only: list[int] | None) -> list[dict]:
         measured = spawn_gloo(measure, world, threads=1, cases=cases, repeats=repeats, compiler="aot_eager",
                               probe=True)
         for g, r in zip([g for g in grid if g[0] == world], measured):
-            out.append({"world": world, "cap": g[5], "pick": picks[g], "states": states_mib(*g[2:5]), **r})
+            out.append({"world": world, "cap": g[5], "pick": picks[g], "states": states_mib(g[0], *g[2:5]), **r})
     return out
 
 

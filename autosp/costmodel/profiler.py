@@ -36,23 +36,32 @@ from autosp.costmodel.profile import SCHEMA
 from autosp.tools.launch import median_time
 
 
+ALONE = object()          # _timeit's group when no other rank takes the same decisions
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """``flag`` on any rank of ``group`` (None: the world): a decision every rank takes alike,
+    else they would part ways at the next barrier."""
+    t = torch.tensor([1.0 if flag else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")  # nccl
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item() > 0
+
+
 def _timeit(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-            start: Callable[[], None] | None = None, group: Any = "none") -> float:
+            start: Callable[[], None] | None = None, group: Any = ALONE) -> float:
     """Median of ``fn`` closed by ``sync``; each call begins after ``start`` (default ``sync``),
     which is not timed: the devices' ranks start a compute point together, and a barrier's
     latency is no part of a kernel's time. A point whose warm-up call takes over half a second
-    gets at most 3 repeats; with ``group`` (a process group, None: the world) its ranks agree
-    on that count, else a rank would wait at the next barrier for calls the others never make."""
+    gets at most 3 repeats; the ranks of ``group`` (a process group, None: the world) agree on
+    that count."""
     begin = start or sync
     begin()
     t0 = time.perf_counter()
     fn()
     sync()
     long = time.perf_counter() - t0 > 0.5
-    if group != "none":
-        flag = torch.tensor([1.0 if long else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")  # nccl
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        long = flag.item() > 0
+    if group is not ALONE:
+        long = _any_rank(long, group)
     return median_time(fn, min(repeats, 3) if long else repeats, barrier=begin, sync=sync)
 
 
@@ -104,7 +113,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
     n_dev = world if cuda else min(world, _cores())
     cgroup = dist.new_group(list(range(n_dev))) if distributed and n_dev < world else None
     computes = rank < n_dev
-    peers = cgroup if distributed and n_dev > 1 else "none"      # the ranks that time compute together
+    peers = cgroup if distributed and n_dev > 1 else ALONE       # the ranks that time compute together
 
     def together() -> None:
         sync()
@@ -112,12 +121,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
             dist.barrier(group=cgroup)
 
     def agreed_over(group: Any = None, on: bool = True) -> bool:
-        """The budget, agreed by every rank of ``group`` (else they would part ways at a barrier)."""
-        if not distributed or not on:
-            return over()
-        flag = torch.tensor([1.0 if over() else 0.0], device=device)
-        dist.all_reduce(flag, group=group)
-        return flag.item() > 0
+        """The budget, agreed by every rank of ``group``."""
+        return _any_rank(over(), group) if distributed and on else over()
 
     with Progress(disable=rank != 0, transient=False) as bar:
         task = bar.add_task("profiling", total=n_tasks)
