@@ -54,7 +54,6 @@ def _cache_dir() -> str:
     return os.path.join(root, "autosp", "plans")
 
 
-
 @functools.cache
 def planner_version() -> str:
     """A digest of what plans are made from: the capture, cost model, planner, strategies and
@@ -67,6 +66,7 @@ def planner_version() -> str:
             if f.suffix in (".py", ".json"):
                 h.update(f.read_bytes())
     return h.hexdigest()[:8]
+
 
 class AutoPlanner:
     """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""

@@ -102,7 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
     common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
-                  profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype)
+                  profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype,
+                  **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
         from autosp.planner.search import max_seq_len
 
@@ -195,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the profile's (8 for the GPU profiles)")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or a profile JSON path")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the profile's)")
+    p.add_argument("--memory-margin", type=float, default=None,
+                   help="share of the limit a plan leaves free for the memory model's error (default 0.05)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="write the plan JSON here")

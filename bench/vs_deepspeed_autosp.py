@@ -48,6 +48,9 @@ AUTOSP_CONFIGS = {
     # the planner's own choice (strategy, checkpointing, MLP and loss tiling) under a per-rank budget
     "autosp, Inductor, planned within 200 MiB": {"compiler": "inductor", "strategy": "auto",
                                                  "memory_limit": 200 * 2**20},
+    # a tighter budget: the planner checkpoints whole layers and tiles
+    "autosp, Inductor, planned within 160 MiB": {"compiler": "inductor", "strategy": "auto",
+                                                 "memory_limit": 160 * 2**20},
 }
 
 

@@ -8,7 +8,8 @@ costed once and multiplied.
 Time (per device, one step):
   compute   sum over ops of table time, token-wise ops at S/P tokens; attention as
             the kernel calls the strategy declares for its busiest rank
-            (:meth:`autosp.strategies.Strategy.cost`); plus the per-op floor
+            (:meth:`autosp.strategies.Strategy.cost`) and the token reorders it declares
+            (memory-bound copies, forward and backward); plus the per-op floor
   comm      the strategy's transfers per attention op, and the gradient reduction
             over the SP x DP group
   exposed   comm not hidden behind compute. A transfer declared to overlap n steps
@@ -177,8 +178,9 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                     raise AutospError(f"strategy '{strat.spec}' cannot run {graph.model_name}'s attention: "
                                       f"it {reason}")
                 cost = strat.cost(shape, mesh)
-                costs[shape] = (cost, kernel_time(profile, cost, dtype, False, share),
-                                kernel_time(profile, cost, dtype, True, share))
+                copy = share * profile.memory_bound_time(cost.copy_bytes) if cost.copy_bytes else 0.0
+                costs[shape] = (cost, kernel_time(profile, cost, dtype, False, share) + copy,
+                                kernel_time(profile, cost, dtype, True, share) + copy)
             cost, t_fwd, t_bwd = costs[shape]
             t = t_bwd if a.phase == "bwd" else t_fwd
             if a.phase == "bwd":

@@ -49,6 +49,7 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
     loss_chunks: int = 1                      # token chunks of the LM head and loss (1: untiled)
+    memory_margin: float = 0.0                # share of the limit left free for the memory model's error
 
     # ------------------------------------------------------------------ io
     def to_json(self) -> str:

@@ -90,7 +90,9 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
                               f"{pr['exposed_comm_s']:.3f})")
     mem = pr["memory"]
-    head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}")
+    kept = f", {plan.memory_margin:.0%} kept free" if plan.memory_margin else ""
+    head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
+                                         f"{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
     head.add_row("tokens/s per device, MFU", f"{pr['tokens_per_s_per_device']:.0f}, {pr['mfu']:.1%}")
     head.add_row("solver", f"{plan.solver.get('status')} in {plan.solver.get('solve_s', 0):.2f} s "

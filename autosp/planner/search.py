@@ -28,6 +28,18 @@ from autosp.strategies import SPMesh, candidates, resolve
 from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
 
 
+# The share of the memory limit a plan leaves free: the memory model's tolerance (its predicted
+# peaks are validated to within 5% of the measured ones), so that a plan predicted to fit fits.
+MEMORY_MARGIN = 0.05
+
+
+def _budget(limit: float, margin: float) -> float:
+    """What the ILP may fill of ``limit`` bytes."""
+    if not 0.0 <= margin < 1.0:
+        raise AutospError(f"memory margin must be at least 0 and below 1 (a share of the limit), got {margin}")
+    return limit * (1.0 - margin)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -113,8 +125,11 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
          overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
-         loss_chunks: tuple[int, ...] = LOSS_CHUNKS) -> Plan:
+         loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
+
+    The plan's predicted peak stays within ``memory_limit`` x (1 - ``memory_margin``): the margin
+    (default 5%, the memory model's tolerance) absorbs the model's error.
 
     ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled),
     ``loss_chunks`` (of the LM head and loss) and ``strategies`` (strategy families) restrict the space,
@@ -131,22 +146,23 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     g = graph if graph is not None else capture(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
     if limit == float("inf"):
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
+    budget = _budget(limit, memory_margin)
     t0 = time.perf_counter()
     cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
                                     strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
                                     tuple(loss_chunks))
     t_cost = time.perf_counter() - t0
     t1 = time.perf_counter()
-    ranked = solve_k_best(cands, limit, alternatives + 1) if cands else []
+    ranked = solve_k_best(cands, budget, alternatives + 1) if cands else []
     t_solve = time.perf_counter() - t1
     if not ranked:
         if not cands:
             raise AutospError(f"no strategy in {', '.join(strategies or ())} can run {g.model_name} on "
                               f"{world_size} devices at {seq_len} tokens; allow more strategies or SP degrees")
-        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit))
+        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
-    out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, zero_stage, seq_len,
+    out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, seq_len,
                    {"status": sol.status, "candidates": len(cands), "cost_s": t_cost, "solve_s": t_solve,
                     "solves": len(ranked),
                     "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
@@ -169,7 +185,7 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
 
 
 def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Solution], cands: dict, world: int,
-             dpn: int, limit: float, zero_stage: int, seq_len: int, solver: dict) -> Plan:
+             dpn: int, limit: float, margin: float, zero_stage: int, seq_len: int, solver: dict) -> Plan:
     sp, layout, loss_chunks = sol.mesh
     main = _summary(g, prof, sol, cands[sol.mesh], seq_len)
     mesh = SPMesh(sp, layout, dpn)
@@ -192,7 +208,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, sp_degree=sp, dp_degree=world // sp,
                 layout=layout, layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
-                zero_stage=zero_stage, alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts],
+                memory_margin=margin, zero_stage=zero_stage, alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts],
                 solver=solver, loss_chunks=loss_chunks)
 
 
@@ -239,10 +255,12 @@ def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
 
 
 def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-                     limit: float) -> str:
+                     limit: float, margin: float) -> str:
     size = f"{limit / 2 ** 30:.1f} GiB" if limit >= 2 ** 30 else f"{limit / 2 ** 20:.0f} MiB"
-    head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each, with any "
-            f"checkpointing and MLP / loss tiling")
+    kept = f" ({margin:.0%} of it kept free for the memory model's error)" if margin else ""
+    head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each{kept}, "
+            f"with any checkpointing and MLP / loss tiling")
+    limit = _budget(limit, margin)
     for z in range(zero_stage + 1, 4):
         if _fits(g, prof, world, dpn, z, seq_len, limit):
             return f"{head} with ZeRO stage {zero_stage}; ZeRO stage {z} fits (--zero-stage {z})"
@@ -257,7 +275,8 @@ def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, ze
 
 def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per_node: int | None = None,
                 profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
-                dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 24) -> tuple[int, Plan]:
+                dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 24,
+                memory_margin: float = MEMORY_MARGIN) -> tuple[int, Plan]:
     """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan."""
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     dpn = devices_per_node or prof.devices_per_node
@@ -266,8 +285,10 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
     g = graph if graph is not None else capture(model, seq_len=step * 64, batch_size=batch_size, dtype=dtype)
     with warnings.catch_warnings():             # probes far beyond any answer extrapolate tables
         warnings.simplefilter("ignore")         # sizes are symbolic: no re-capture per probe
-        s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, limit), step, upper)
+        budget = _budget(limit, memory_margin)
+        s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget), step, upper)
     if not s:
-        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit))
+        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin))
     return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
-                   profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g)
+                   profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
+                   memory_margin=memory_margin)

@@ -118,6 +118,9 @@ class AttentionCost:
     # layer's transpose-and-contiguous before the output projection copies it, and the
     # projection saves the copy; gathered inputs that the op saves (all-gather-KV's whole K/V).
     saved_bytes: float = 0.0
+    # Bytes a token reorder reads and writes per forward (the backward moves as many): Ulysses on
+    # a zigzag layout puts the gathered tokens into order for the causal kernel and back.
+    copy_bytes: float = 0.0
 
 
 class Strategy(ABC):

@@ -170,6 +170,13 @@ class Ulysses(Strategy):
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p, k = mesh.degree, self.chunks
         s_loc = shape.seq_len / p
+        # On a non-contiguous layout the gathered q, k, v go into token order for a causal (or
+        # masked) kernel and its output back into rank order: copies beside the originals, which
+        # buy nothing (Ulysses' kernel sees every token on any layout).
+        reorder = mesh.layout != "contiguous" and (shape.causal or shape.masked)
+        q = shape.bytes(shape.heads, s_loc)
+        kv = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, p, k), s_loc)
+        copies = (q + 2 * kv) if reorder else 0.0
         return AttentionCost(
             # an explicit mask (a window, padding) makes the fused kernel compute every block
             kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
@@ -178,10 +185,10 @@ class Ulysses(Strategy):
             # unpipelined, one all-to-all's receive buffer beside its result (the send buffer is
             # freed first); pipelined, send and receive buffers of about three groups (the group
             # attending, the next one's inputs, the last output) stay in flight
-            workspace_bytes=shape.bytes(shape.heads, s_loc) if k == 1 else
-            2 * shape.bytes(shape.heads, s_loc) * min(1.0, 3 / k),
+            workspace_bytes=copies + (q if k == 1 else 2 * q * min(1.0, 3 / k)),
             # the output all-to-all's result is a new tensor, which the output projection saves
-            saved_bytes=shape.bytes(shape.heads, s_loc))
+            saved_bytes=q,
+            copy_bytes=2 * (copies + q) if reorder else 0.0)
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "chunks": self.chunks}
