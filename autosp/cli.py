@@ -73,7 +73,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    doc = measure(args.out, quick=args.quick, budget_s=args.budget)
+    doc = measure(args.out, quick=args.quick, budget_s=args.budget, only=tuple(args.only) if args.only else None)
     if doc:
         n = sum(len(v) for t in doc["compute"].values() for v in (t.values() if isinstance(t, dict) else [t]))
         c = sum(len(rows) for col in doc["collectives"].values() for rows in col["intra"].values())
@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true", help="fewer points, about a minute on a 2-core CPU")
     p.add_argument("--budget", type=float, default=None, help="stop measuring after this many seconds")
+    p.add_argument("--only", nargs="+", choices=("compute", "collectives", "concurrency", "sync_skew"),
+                   help="measure these sections only; an existing --out keeps the others")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="choose SP/DP split, strategies and checkpointing with the ILP")

@@ -173,6 +173,9 @@ def test_pipelined_transfers_hide_behind_the_groups_kernels():
         def concurrency(self):
             return 1.5, 1.2
 
+        def sync_skew(self, group_size):
+            return 0.0
+
     piped = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 1.0, "fwd", 2, pipeline=4)],
                           workspace_bytes=0)
     comm, exposed = transfer_times(Stub(), piped, t_fwd=8.0, t_bwd=0.0)

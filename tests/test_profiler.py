@@ -33,6 +33,7 @@ def test_profile_on_two_ranks_writes_a_profile_the_planner_reads(tmp_path):
     assert set(doc["collectives"]) == {"all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv"}
     assert all(list(c["intra"]) == ["2"] for c in doc["collectives"].values())
     assert doc["concurrency"]["comm_slowdown"] >= 1.0 and doc["source"]["where"].endswith("2 rank(s)")
+    assert list(doc["sync_skew"]["seconds"]) == ["2"] and doc["sync_skew"]["seconds"]["2"] >= 0.0
     prof = load_profile(str(out))
     g = capture(ModelSource("heldout-a", hf_config=held_out_config("heldout-a")), seq_len=1024, dtype="float32")
     p = predict(g, prof, sp=2, strategy="ulysses", devices_per_node=2)
@@ -52,6 +53,66 @@ def test_a_budget_stops_every_rank_at_the_same_point(tmp_path):
     measured = len(doc["compute"]["matmul"]["float32"]) + len(doc["compute"]["attention"]["float32"])
     assert measured < 6 + 8                # cut short: fewer points than the quick grid's
     assert sum(len(c["intra"].get("2", [])) for c in doc["collectives"].values()) < 5 * 6
+
+
+def test_only_some_sections_are_re_measured_into_an_existing_profile(tmp_path):
+    """`--only sync_skew` on the shipped profile: the skew is measured again, every other table
+    is kept as it was, and the source says what was re-measured."""
+    from autosp.tools.launch import free_port
+
+    out = tmp_path / "cpu.json"
+    before = json.loads(json.dumps(load_profile("cpu-gloo").data))
+    before["sync_skew"] = {"seconds": {"7": 1.0}, "how": "stale"}
+    out.write_text(json.dumps(before))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "autosp.cli", "profile", "--out", str(out), "--quick", "--only", "sync_skew"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    after = json.loads(out.read_text())
+    assert list(after["sync_skew"]["seconds"]) == ["2"] and after["sync_skew"]["how"] != "stale"
+    for key in ("compute", "collectives", "concurrency", "op_overhead_s", "memory_bytes"):
+        assert after[key] == before[key], key
+    assert after["source"]["updated"][-1].startswith("sync_skew: ") and after["source"]["when"] == \
+        before["source"]["when"]
+    bad = subprocess.run([sys.executable, "-m", "autosp.cli", "profile", "--out", str(out), "--only", "skew"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "invalid choice: 'skew'" in bad.stderr
+
+
+def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_path):
+    from autosp.costmodel.predict import transfer_times
+    from autosp.strategies import AttentionShape, SPMesh, resolve
+
+    doc = json.loads(json.dumps(load_profile("cpu-gloo").data))
+    doc["sync_skew"] = {"seconds": {"2": 0.001, "4": 0.003}}
+    (tmp_path / "skewed.json").write_text(json.dumps(doc))
+    del doc["sync_skew"]
+    (tmp_path / "plain.json").write_text(json.dumps(doc))
+    skewed, plain = (load_profile(str(tmp_path / f"{n}.json")) for n in ("skewed", "plain"))
+    assert (skewed.sync_skew(4), skewed.sync_skew(2), skewed.sync_skew(8), skewed.sync_skew(1)) == \
+        (0.003, 0.001, 0.003, 0.0)
+    assert plain.sync_skew(4) == 0.0
+    shape = AttentionShape(heads=8, kv_heads=4, head_dim=32, seq_len=4096, causal=True)
+    ulysses = resolve("ulysses").cost(shape, SPMesh(4, "contiguous"))        # 8 blocking all-to-alls a step
+    n = sum(t.count for t in ulysses.transfers)
+    comm0, exposed0 = transfer_times(plain, ulysses, 1.0, 2.0)
+    comm1, exposed1 = transfer_times(skewed, ulysses, 1.0, 2.0)
+    assert n == 8 and exposed1 - exposed0 == pytest.approx(n * 0.003) and comm1 - comm0 == pytest.approx(n * 0.003)
+    # the ring's steps overlap its blocks; only its backward's last dK/dV pass (4 moves) blocks
+    ring = resolve("zigzag_ring").cost(shape, SPMesh(4, "zigzag"))
+    blocking = sum(t.count for t in ring.transfers if not t.overlap_steps)
+    assert blocking == 4 and any(t.overlap_steps for t in ring.transfers)
+    assert transfer_times(skewed, ring, 1.0, 2.0)[1] - transfer_times(plain, ring, 1.0, 2.0)[1] == \
+        pytest.approx(blocking * 0.003)
+    # pipelined in 2 head groups beside long kernels: the first group's inputs and the last
+    # group's output wait (a = one group's 4 moves per phase, exposed once), and the kernels
+    # beside the other group's moves slow by the measured concurrency: d(exposed) =
+    # da x (1 + (s_compute - 1) x s_comm)
+    pipelined = resolve("ulysses:c2").cost(shape, SPMesh(4, "contiguous"))
+    assert all(t.pipeline == 2 for t in pipelined.transfers)
+    s_comm, s_compute = skewed.concurrency()
+    assert transfer_times(skewed, pipelined, 1.0, 2.0)[1] - transfer_times(plain, pipelined, 1.0, 2.0)[1] == \
+        pytest.approx(2 * 4 * 0.003 * (1 + (s_compute - 1) * s_comm))
 
 
 def _attention_profile(dims: tuple[int, ...]) -> dict:

@@ -26,7 +26,9 @@ Time (per device, one step):
             gather and reduce-scatter beside the own block; a = their summed time):
                 exposed = max(0, s_comm * a - f * K) + (s_compute - 1) * min(f * K, s_comm * a)
             The gradient reduction of ZeRO stages 0/1 moves in buckets beside the backward
-            (:func:`_gradient_comm`). Every other transfer is exposed in full
+            (:func:`_gradient_comm`). Every other transfer is exposed in full. Each attention
+            transfer's t includes the profile's sync skew (:meth:`HardwareProfile.sync_skew`):
+            the ranks reach it from their own compute, not together as the tables time it
   total     compute + exposed
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
@@ -116,7 +118,9 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     group: dict[tuple[str, int], float] = {}           # (phase, k) -> one pipelined group's transfer time
     side: dict[tuple[str, float], float] = {}          # (phase, f) -> transfers beside that share of kernels
     for tr in cost.transfers:
-        t = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
+        # the ranks meet at every collective from their own compute, not together as the tables
+        # time it: the profile's sync skew, hidden like the rest where compute runs beside it
+        t = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter) + profile.sync_skew(tr.group)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
         if tr.pipeline:
             comm += tr.pipeline * tr.count * t

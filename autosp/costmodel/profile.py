@@ -156,6 +156,17 @@ class HardwareProfile:
         c = self.data.get("concurrency", {})
         return float(c.get("comm_slowdown", 1.0)), float(c.get("compute_slowdown", 1.0))
 
+    def sync_skew(self, group_size: int) -> float:
+        """Seconds a blocking collective over ``group_size`` ranks costs after compute beyond its
+        table time (``autosp profile``'s sync-skew measurement: ranks arrive at their own pace, and
+        ranks sharing a device wait to be scheduled); the nearest measured group size, 0.0 where
+        the profile says nothing."""
+        by_size = self.data.get("sync_skew", {}).get("seconds", {})
+        if group_size <= 1 or not by_size:
+            return 0.0
+        p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))
+        return float(by_size[str(p0)])
+
     def peak_flops(self, dtype: str) -> float:
         """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
         efficiency."""

@@ -9,10 +9,13 @@ the devices (4 processes on a 2-core machine) wait meanwhile: what they share is
 the cost model's sharing factor. Every rank takes part in the collectives over the whole
 group and, when the world has 4+ ranks, over its first 2, and rank 0 and its device peers in
 the concurrency measurement: how much an all-to-all and a matmul slow each other down when
-they run at once (what an overlapped schedule gets; see :func:`measure_concurrency`). Each
+they run at once (what an overlapped schedule gets; see :func:`measure_concurrency`), and in
+the sync-skew measurement: what a blocking collective costs after compute beyond its time
+alone (:func:`measure_sync_skew`). Each
 point: warm-up, repeats, median; tables are made monotone when loaded. A time budget bounds
 the whole run (``--quick``: about 1 minute on a 2-core CPU); every rank stops at the same
-point.
+point. ``--only SECTION ...`` measures some sections (compute, collectives, concurrency,
+sync_skew) and, where ``--out`` exists, replaces only those in it.
 
 The CPU grid is generic: square and rectangular matmuls at dimensions 112, 288 and 1152 over
 128-8192 rows, attention at 2 and 8 heads and head dims 24 and 96 (the cost model
@@ -87,9 +90,17 @@ def _grids(quick: bool, cuda: bool) -> dict[str, list]:
     return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
 
 
-def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dict:
+SECTIONS = ("compute", "collectives", "concurrency", "sync_skew")
+
+
+def measure(out: str, quick: bool = False, budget_s: float | None = None,
+            only: tuple[str, ...] | None = None) -> dict:
     from rich.progress import Progress
 
+    unknown = set(only or ()) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown profile section(s) {', '.join(sorted(unknown))}; use {', '.join(SECTIONS)}")
+    sections = set(only or SECTIONS)
     cuda = torch.cuda.is_available()
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -107,8 +118,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
 
     compute: dict[str, Any] = {"matmul": {}, "attention": {}, "attention_backward": {}, "memory_bound": []}
     collectives: dict[str, Any] = {}
-    n_tasks = (len(grids["matmul"]) + 2 * len(grids["attention"])) * len(dtypes) + len(grids["memory"]) + \
-        5 * len(grids["collective"]) * (2 if world >= 4 else 1)
+    n_tasks = ((len(grids["matmul"]) + 2 * len(grids["attention"])) * len(dtypes) + len(grids["memory"])) * \
+        ("compute" in sections) + 5 * len(grids["collective"]) * (2 if world >= 4 else 1) * ("collectives" in sections)
     # The devices compute at once: one rank per CUDA device, on CPU one per core.
     n_dev = world if cuda else min(world, _cores())
     cgroup = dist.new_group(list(range(n_dev))) if distributed and n_dev < world else None
@@ -126,7 +137,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
 
     with Progress(disable=rank != 0, transient=False) as bar:
         task = bar.add_task("profiling", total=n_tasks)
-        if computes:
+        overhead = None
+        if computes and "compute" in sections:
             cover = lambda: agreed_over(cgroup, n_dev > 1)  # noqa: E731
             for dt in dtypes:
                 dtype = getattr(torch, dt)
@@ -180,12 +192,12 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
                 bar.advance(task)
             tiny = torch.ones(1, device=device)
             overhead = _timeit(lambda: tiny + tiny, 50, sync)
-        if distributed:
-            groups = [(world, None)]
-            if world >= 4:
-                groups.append((2, dist.new_group([0, 1])))
-            elif world == 3:
-                dist.new_group([0, 1])
+        groups = [(world, None)]
+        if distributed and world >= 4:
+            groups.append((2, dist.new_group([0, 1])))
+        elif distributed and world == 3:
+            dist.new_group([0, 1])
+        if distributed and "collectives" in sections:
             for p, pg in groups:
                 member = pg is None or rank < p
                 for name in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "send_recv"):
@@ -203,9 +215,11 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
                     if rank == 0 and rows:
                         collectives.setdefault(name, {"intra": {}, "inter": {}})["intra"][str(p)] = rows
     # beside the devices' compute, as SP ranks overlap (extra ranks sharing them would skew it)
-    concurrency = measure_concurrency(device, sync, cgroup) if distributed and n_dev > 1 and computes else None
+    concurrency = measure_concurrency(device, sync, cgroup) \
+        if distributed and n_dev > 1 and computes and "concurrency" in sections else None
     if concurrency and n_dev < world:
         concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
+    skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16) if distributed and "sync_skew" in sections else None
     if rank != 0:
         return {}
     doc = {
@@ -223,9 +237,86 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None) -> dic
     }
     if concurrency:
         doc["concurrency"] = concurrency
+    if skew:
+        doc["sync_skew"] = skew
+    if only:
+        doc = _merged(out, doc, sections)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     return doc
+
+
+def _merged(out: str, doc: dict, sections: set[str]) -> dict:
+    """``doc``'s ``sections`` written into the profile at ``out`` (when there is one), the rest
+    kept as measured before; its source says what was re-measured and when."""
+    import os
+
+    if not os.path.exists(out):
+        return doc
+    with open(out) as f:
+        old = json.load(f)
+    keys = {"compute": ("compute", "op_overhead_s"), "collectives": ("collectives",),
+            "concurrency": ("concurrency",), "sync_skew": ("sync_skew",)}
+    for section in sorted(sections):
+        for key in keys[section]:
+            if key in doc:
+                old[key] = doc[key]
+    src = old.setdefault("source", {})
+    src["updated"] = src.get("updated", []) + [f"{', '.join(sorted(sections))}: {doc['source']['when']}, "
+                                               f"{doc['source']['where']}"]
+    return old
+
+
+def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
+                      repeats: int = 15, pieces: int = 16) -> dict[str, Any]:
+    """What a blocking collective costs right after compute beyond its time alone, per group size.
+
+    The collective tables time collectives that every rank enters together (after a barrier).
+    In a step the ranks arrive from their own compute, and where they share devices (4
+    processes on 2 cores) the OS runs them in turns: the collective waits for the last one
+    scheduled and then for each to be woken. Per group of ``p`` ranks (``groups``: (p, group)),
+    ``pieces`` x (a matmul, a 4 KiB all-to-all) against the matmuls alone and the all-to-all
+    alone, for matmuls of about 1, 4 and 16 ms on a CPU core:
+        skew(p) = max(0, median over matmul sizes of (t_loop - t_matmuls) / pieces - t_all_to_all)
+    The cost model adds it to every blocking (not overlapped) collective of a step.
+    """
+    import statistics
+
+    rank = dist.get_rank()
+    rows = (512, 2048, 8192) if device.type == "cpu" else (8192, 32768, 131072)
+    seconds: dict[str, float] = {}
+    for p, pg in sorted(groups, key=lambda g: g[0]):
+        if pg is not None and rank >= p:           # not in this group: wait for its members
+            dist.barrier()
+            continue
+        x = torch.zeros(1024 // p * p, device=device)
+        y = torch.empty_like(x)
+        coll = lambda: dist.all_to_all_single(y, x, group=pg)  # noqa: E731
+        start = lambda: (sync(), dist.barrier(group=pg))  # noqa: E731
+        t_coll = median_time(coll, max(repeats, 15), barrier=start, sync=sync)
+        extra = []
+        for m in rows:
+            a, b = torch.randn(m, 288, device=device), torch.randn(288, 288, device=device)
+
+            def alone() -> None:
+                for _ in range(pieces):
+                    a @ b
+                sync()
+
+            def blocking() -> None:
+                for _ in range(pieces):
+                    a @ b
+                    sync()
+                    coll()
+
+            t_alone = median_time(alone, repeats, barrier=start, sync=sync)
+            t_loop = median_time(blocking, repeats, barrier=start, sync=sync)
+            extra.append((t_loop - t_alone) / pieces - t_coll)
+        seconds[str(p)] = max(0.0, statistics.median(extra))
+        dist.barrier()
+    return {"seconds": seconds,
+            "how": f"{pieces} x (matmul of {'/'.join(map(str, rows))} x 288 x 288, 4 KiB all-to-all) against "
+                   f"each alone, median over matmul sizes of {repeats} runs each"}
 
 
 def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.device, repeats: int,
