@@ -244,7 +244,8 @@ def test_ulysses_is_planned_on_the_contiguous_layout():
         p = plan(None, graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32",
                  memory_limit=mib * 2**20)
         assert p.layout == "contiguous" and {layer["strategy"] for layer in p.layers} == {"ulysses"}, (mib, p.layers)
-    flat, zig = (predict(g, prof, sp=2, strategy="ulysses", layout=lay, seq_len=16384) for lay in ("contiguous", "zigzag"))
+    flat, zig = (predict(g, prof, sp=2, strategy="ulysses", layout=lay, seq_len=16384)
+                 for lay in ("contiguous", "zigzag"))
     assert zig.total_s > flat.total_s and zig.memory["workspace"] > flat.memory["workspace"]
     assert step_peak(g, prof, sp=2, strategy="ulysses", seq_len=16384, checkpoint="full", mlp_chunks=8,
                      loss_chunks=8, layout="zigzag") > step_peak(g, prof, sp=2, strategy="ulysses", seq_len=16384,

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autosp.costmodel.profile import SCHEMA
+from autosp.errors import AutospError
 from autosp.tools.launch import median_time
 
 
@@ -99,7 +100,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
 
     unknown = set(only or ()) - set(SECTIONS)
     if unknown:
-        raise ValueError(f"unknown profile section(s) {', '.join(sorted(unknown))}; use {', '.join(SECTIONS)}")
+        raise AutospError(f"unknown profile section(s) {', '.join(sorted(unknown))}; use {', '.join(SECTIONS)}")
     sections = set(only or SECTIONS)
     cuda = torch.cuda.is_available()
     distributed = dist.is_available() and dist.is_initialized()
@@ -219,7 +220,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         if distributed and n_dev > 1 and computes and "concurrency" in sections else None
     if concurrency and n_dev < world:
         concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
-    skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16) if distributed and "sync_skew" in sections else None
+    skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16) \
+        if distributed and "sync_skew" in sections else None
     if rank != 0:
         return {}
     doc = {
@@ -278,7 +280,8 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     ``pieces`` x (a matmul, a 4 KiB all-to-all) against the matmuls alone and the all-to-all
     alone, for matmuls of about 1, 4 and 16 ms on a CPU core:
         skew(p) = max(0, median over matmul sizes of (t_loop - t_matmuls) / pieces - t_all_to_all)
-    The cost model adds it to every blocking (not overlapped) collective of a step.
+    The cost model adds it to every attention transfer, hidden where compute runs beside it
+    (:func:`autosp.costmodel.predict.transfer_times`).
     """
     import statistics
 

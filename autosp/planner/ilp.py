@@ -34,6 +34,9 @@ E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its who
 recompute under checkpointing, one chunk of a tiled MLP, its strategy's workspace); the
 phases f include those of the class's first layer, where E also removes the other layers' share
 of M — see :func:`autosp.costmodel.memory.peak_terms`.
+M_max is the memory limit less the planner's margin, M_max = (1 - m) x limit with m = 5% by
+default (:data:`autosp.planner.search.MEMORY_MARGIN`, the memory model's validated tolerance),
+so that a plan predicted to fit still fits where the model is a few percent low.
 Costs come from :mod:`autosp.costmodel.predict`, scaled to integers
 (microseconds, KiB) because CP-SAT is an integer solver.
 
