@@ -77,6 +77,11 @@ def test_only_some_sections_are_re_measured_into_an_existing_profile(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "autosp.cli", "profile", "--out", str(out), "--only", "skew"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "invalid choice: 'skew'" in bad.stderr
+    from autosp.costmodel.profiler import measure
+    from autosp.errors import AutospError
+
+    with pytest.raises(AutospError, match="does not exist; measure a whole profile there first"):
+        measure(str(tmp_path / "none.json"), only=("sync_skew",))
 
 
 def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_path):

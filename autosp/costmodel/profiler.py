@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import time
 from typing import Any, Callable
@@ -102,6 +103,9 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
     unknown = set(only or ()) - set(SECTIONS)
     if unknown:
         raise AutospError(f"unknown profile section(s) {', '.join(sorted(unknown))}; use {', '.join(SECTIONS)}")
+    if only and not os.path.exists(out):      # a profile of some sections alone would not load
+        raise AutospError(f"--only re-measures sections into an existing profile, and {out} does not exist; "
+                          f"measure a whole profile there first (drop --only)")
     sections = set(only or SECTIONS)
     cuda = torch.cuda.is_available()
     distributed = dist.is_available() and dist.is_initialized()
@@ -250,12 +254,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
 
 
 def _merged(out: str, doc: dict, sections: set[str]) -> dict:
-    """``doc``'s ``sections`` written into the profile at ``out`` (when there is one), the rest
+    """``doc``'s ``sections`` written into the existing profile at ``out``, the rest
     kept as measured before; its source says what was re-measured and when."""
-    import os
-
-    if not os.path.exists(out):
-        return doc
     with open(out) as f:
         old = json.load(f)
     keys = {"compute": ("compute", "op_overhead_s"), "collectives": ("collectives",),
@@ -363,13 +363,9 @@ def _device_name(cuda: bool) -> str:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _cpu_memory_per_core() -> float:
-    import os
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total / _cores()
