@@ -154,7 +154,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
             raise AutospError(f"zero_stage={zero_stage} shards parameters over a device mesh; pass mesh= "
                               "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of group=")
-        shard_parameters(model, the_mesh, zero_stage)
+        param_group_name = shard_parameters(model, the_mesh, zero_stage)
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, layer_paths=layer_paths(model),
@@ -162,6 +162,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage
+    sp.param_group_name = param_group_name if zero_stage in (2, 3) else ""
     if zero_stage in (0, 1):
         sp.reducer = GradReducer(list(model.parameters()), the_mesh.whole, bucket_mb)
     sp.plan = the_plan

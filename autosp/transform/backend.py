@@ -23,6 +23,7 @@ from autosp.transform.checkpointing import apply_checkpointing, tag_for_recomput
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
 from autosp.transform.tiled_mlp import tile_mlps
+from autosp.transform.zero3 import bucket_gathers, tag_gathers_for_recompute
 
 
 @dataclass
@@ -197,6 +198,9 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             report.tiled_mlps = tile_mlps(gm, chunks if isinstance(chunks, int) else chunks.__getitem__,
                                           config.layer_paths, aot=config.compiler != "eager", mode_of=_mode_of(config),
                                           record=report.mlp_chunks)
+        report.param_gathers = bucket_gathers(gm, config.layer_paths)
+        if report.param_gathers and config.compiler != "eager":
+            tag_gathers_for_recompute(gm)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:

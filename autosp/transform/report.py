@@ -41,6 +41,7 @@ class SPReport:
     dp_degree: int = 1             # rows of the mesh, each with its own batch
     zero_stage: int | None = None  # None: gradients summed over the SP group inside the graphs
     grad_buckets: int = 0          # buckets autosp's gradient reduction all-reduces (zero_stage 0, 1)
+    param_gathers: int = 0         # ZeRO 3: parameter all-gathers per forward, one per unit of blocks
     attention: list[AttentionRow] = field(default_factory=list)
     # kind -> calls, bytes sent, seconds this rank's compute waited on them (exposed)
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -59,7 +60,9 @@ class SPReport:
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        dp = f", DP degree {self.dp_degree}, ZeRO stage {self.zero_stage} ({self.grad_buckets} gradient buckets)" \
+        units = f"{self.param_gathers} parameter gathers per forward" if self.zero_stage == 3 else \
+            f"{self.grad_buckets} gradient buckets"
+        dp = f", DP degree {self.dp_degree}, ZeRO stage {self.zero_stage} ({units})" \
             if self.zero_stage is not None else ""
         t = Table(title=f"autosp: SP degree {self.sp_degree}{dp}, {self.seq_len} tokens (padded to "
                         f"{self.padded_len}), {self.compiled_graphs} graphs compiled by {self.compiler}, attention work busiest / "

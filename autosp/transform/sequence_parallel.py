@@ -89,6 +89,7 @@ class SequenceParallel(nn.Module):
         self.mesh: Mesh | None = None    # set by autosp.compile
         self.zero_stage: int | None = None
         self.reducer: GradReducer | None = None
+        self.param_group_name = ""       # ZeRO 3: the group its parameter gathers run on (zero3.py)
         # DeepSpeed ZeRO 3 reads this flag: it gathers every parameter at this module's entry and
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
@@ -144,6 +145,8 @@ class SequenceParallel(nn.Module):
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
+        if self.param_group_name:
+            groups.add(self.param_group_name)
         counts: dict[str, dict[str, float]] = {}
         for (group, kind), (calls, sent, waited) in TALLY.items():
             before = step["tally"].get((group, kind), (0, 0, 0.0))
@@ -155,6 +158,7 @@ class SequenceParallel(nn.Module):
         return SPReport(sp_degree=self.sp_degree, dp_degree=self.mesh.dp_degree if self.mesh else 1,
                         zero_stage=self.zero_stage,
                         grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
+                        param_gathers=sum(r.param_gathers for r in self.state.reports),
                         seq_len=step["seq_len"], padded_len=step["padded_len"],
                         compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
                         attention=rows, collectives=counts,

@@ -122,6 +122,7 @@ class ShardReport:
     token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
+    param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero3.py)
     mlp_chunks: dict[int, int] = field(default_factory=dict)   # layer index -> chunks its MLP ran in
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
@@ -370,6 +371,12 @@ class Sharder:
             return self._token_local(n, v, seqful_r, region)
         if not s_in and not meets_param:
             self.place[n] = None
+            if any(a in self.params for a in ins) and not seqful_r and not self.seq_dims(v):
+                # made from parameters alone (a ZeRO-3 shard gathered inside the graph, a weight
+                # transposed or cast): still a parameter to the propagation, so the first op that
+                # reads it with the sequence shards there
+                self.params.add(n)
+                return
             if _name(n) in _HEAVY and self.seq_dims(v):
                 self.report.replicated_work.append(f"{_name(n)} at {_where(n)}")
             return

@@ -1,18 +1,17 @@
-"""ZeRO stages 2 and 3 through FSDP2 (``fully_shard``) over the whole dp x sp mesh.
+"""ZeRO stage 2 through FSDP2 (``fully_shard``) over the whole dp x sp mesh; stage 3 inside
+the compiled graph (:mod:`autosp.transform.zero3`).
 
 * stage 2: parameters are gathered when the step's forward begins and stay gathered through
   the backward (``reshard_after_forward=False``); gradients are reduce-scattered and the
   optimizer states live on each rank's shard: between steps a rank holds 1/N of parameters,
   gradients and optimizer states.
-* stage 3: the same, but parameters are freed after the forward and gathered again for the
-  backward (``reshard_after_forward=True``).
+* stage 3: parameters are gathered per transformer block inside the graph, where they are
+  read, and gathered again for the backward (:mod:`autosp.transform.zero3`).
 
-One FSDP unit, the root, for both. FSDP's hooks are hidden from torch.compile
-(``torch._dynamo.disable``), so a unit per transformer block would cut the compiled graph
-at every block; the break sits inside the model's loop over its layers, so torch.compile
-would run that loop eagerly and compile each layer's pieces apart (7 graphs for a 2-layer
-Llama, its MLPs unsharded on every rank). Per-block units therefore wait for FSDP hooks
-that compile; with one unit the whole model stays one sharded graph.
+One FSDP unit, the root, for stage 2: it holds every parameter gathered through the step
+anyway, and FSDP's hooks are hidden from torch.compile (``torch._dynamo.disable``), so a unit
+per transformer block would cut the compiled graph at every block (7 graphs for a 2-layer
+Llama, its MLPs unsharded on every rank).
 
 Inside autosp's graphs each rank back-propagates its own tokens and, with data parallelism,
 its own batch, against a loss normalised by the global token count: each gradient is a
@@ -25,14 +24,21 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autosp.transform.mesh import Mesh, flat_device_mesh
+from autosp.transform.zero3 import shard_in_graph
 
 
-def shard_parameters(model: nn.Module, mesh: Mesh, stage: int) -> None:
-    """Apply FSDP2 to ``model`` in place for ZeRO ``stage`` (2 or 3), summing gradients."""
+def shard_parameters(model: nn.Module, mesh: Mesh, stage: int) -> str:
+    """Shard ``model`` in place for ZeRO ``stage`` (2: FSDP2, 3: in the graph), summing gradients.
+    Returns the name of the group that stage 3's gathers run on ("" for stage 2)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    fully_shard(model, mesh=flat_device_mesh(mesh), reshard_after_forward=stage == 3)
+    if stage == 3:
+        flat = flat_device_mesh(mesh)
+        shard_in_graph(model, flat)
+        return flat.get_group().group_name
+    fully_shard(model, mesh=flat_device_mesh(mesh), reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+    return ""
