@@ -800,3 +800,52 @@ def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:
             setattr(kernel, n, f)
     out["events"] = events
     return out
+
+
+def zero3_in_graph(seq_len: int = 64, steps: int = 1, compilers: tuple[str, ...] = ("aot_eager",)) -> dict[str, Any]:
+    """ZeRO 3 gathered inside the graph on a 1 x 2 mesh, a 4-block Llama whose parameters outweigh
+    its activations: per compiler, the worst gradient and loss error against one process over
+    ``steps`` AdamW steps, what the report says ran, and the last step's peak bytes (memory probe)
+    next to what the cost model predicts for it."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosp.costmodel.predict import predict
+    from autosp.costmodel.profile import load_profile
+    from autosp.graph import capture
+    from autosp.tools.memory_probe import step_peak
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    out: dict[str, Any] = {"param_bytes": sum(p.numel() * 4 for p in ref.parameters()),
+                           "block_bytes": sum(p.numel() * 4 for p in ref.model.layers[0].parameters())}
+    pred = predict(capture(copy.deepcopy(ref), seq_len=seq_len, batch_size=1, dtype="float32"),
+                   load_profile("cpu-gloo"), sp=2, strategy="ulysses", seq_len=seq_len, zero_stage=3)
+    out["predicted_step_peak"] = pred.memory["step_peak"]
+    for compiler in compilers:
+        torch._dynamo.reset()
+        one, model = copy.deepcopy(ref), copy.deepcopy(ref)
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "sp"))
+        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=3, compiler=compiler)
+        opt, opt_one = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
+        row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
+        for step in range(steps):
+            ids, labels = _batch(step, 1, seq_len, True)
+            loss, row["peak"] = step_peak(sp, lambda: sp(input_ids=ids, labels=labels).loss)
+            ref_loss = one(input_ids=ids, labels=labels).loss
+            ref_loss.backward()
+            row["loss_err"] = max(row["loss_err"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+            for p, q in zip(model.parameters(), one.parameters()):
+                row["grad_err"] = max(row["grad_err"], _rel(_full(p.grad), q.grad))
+            row["report"] = sp.report().as_dict()
+            opt.step(), opt_one.step()
+            opt.zero_grad(set_to_none=True), opt_one.zero_grad(set_to_none=True)
+        row["shard_elements"] = sum(_local(p).numel() for p in model.parameters())
+        row["dtensors"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
+        row["keys_plain"] = list(model.state_dict()) == list(ref.state_dict())
+        out[compiler] = row
+    return out

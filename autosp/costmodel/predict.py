@@ -273,9 +273,23 @@ def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspa
     # schedule is near its peak there (the peak is often at the loss, where they are gone).
     step = max(step_peak, at_attention + workspace) + extra_layers
     phases["untraced"] = extra_layers
-    return {**states, "activations": step_peak + extra_layers - grads_traced, "workspace": workspace,
-            "step_peak": step,
+    activations = step_peak + extra_layers - grads_traced
+    gathered = zero3_transient(graph) if zero_stage == 3 and sp * dp > 1 else 0.0
+    if gathered:        # ZeRO 3 in the graph: gradients leave as shards, a unit at a time whole
+        step += gathered - grads_traced + states["gradients"]
+        grads_traced = states["gradients"]
+    return {**states, "activations": activations, "workspace": workspace,
+            **({"gathered": gathered} if gathered else {}), "step_peak": step,
             "peak": states["parameters"] + states["optimizer"] + step - grads_traced + states["gradients"]}
+
+
+def zero3_transient(graph: OpGraph) -> float:
+    """ZeRO 3 gathered inside the graph (:mod:`autosp.transform.zero3`): besides its shards a rank
+    holds about one unit whole at a time, and in its backward three copies of it: the parameters
+    gathered again, their whole gradients, and the flat buffer the reduce-scatter sends. A unit is
+    a transformer block, or the embedding or the head (half the parameters outside the blocks)."""
+    unit = max([lc.params for lc in graph.layer_classes.values()] + [graph.nonlayer_params / 2])
+    return 3 * unit * dtype_bytes(graph.dtype)
 
 
 def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,

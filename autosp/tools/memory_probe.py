@@ -17,7 +17,7 @@ import weakref
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -27,6 +27,12 @@ def _python_body(func):
 
     opdef = OPDEFS.get(func._schema.name)
     return getattr(opdef, "_init_fn", None)
+
+
+def _has_storage(t: object) -> bool:
+    """A tensor with memory of its own (not meta; not a wrapper such as a ZeRO-3 DTensor, whose
+    local tensor the dispatcher sees on its own)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and not is_traceable_wrapper_subclass(t)
 
 
 class PeakBytes(TorchDispatchMode):
@@ -62,10 +68,9 @@ class PeakBytes(TorchDispatchMode):
             out = self._inside(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _has_storage(t)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not _has_storage(t):
                 continue
             st = t.untyped_storage()
             ptr, nbytes = st.data_ptr(), st.nbytes()

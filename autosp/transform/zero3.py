@@ -72,17 +72,17 @@ def _gather_flat(flat: Tensor, group_name: str) -> Tensor:
 
 
 def _reduce_scatter_flat(full: Tensor, group_name: str) -> Tensor:
-    """[world, n] partial sums on each rank -> this rank's row of their sum."""
+    """[world, n] partial sums on each rank (a buffer of the caller's, overwritten) -> this rank's
+    row of their sum."""
     pg = resolve_group(group_name)
     tally(REDUCE_KIND, group_name, full)
     t0 = time.perf_counter()
     out = full.new_empty(full.shape[1:])
     if dist.get_backend(pg) == "nccl":
         dist.reduce_scatter_tensor(out, full.reshape(-1), group=pg)
-    else:                                   # gloo has no reduce-scatter: all-reduce, keep our row
-        total = full.contiguous().clone()
-        dist.all_reduce(total, group=pg)
-        out = total[dist.get_rank(pg)].clone()
+    else:       # gloo has no reduce-scatter: all-reduce (in place: ``full`` is our own buffer), keep our row
+        dist.all_reduce(full, group=pg)
+        out = full[dist.get_rank(pg)].clone()
     blocked(REDUCE_KIND, group_name, t0)
     return out
 
