@@ -4,6 +4,7 @@ same process without any parallelism."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any
@@ -835,7 +836,8 @@ def zero3_in_graph(seq_len: int = 64, steps: int = 1, compilers: tuple[str, ...]
         row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
         for step in range(steps):
             ids, labels = _batch(step, 1, seq_len, True)
-            loss, row["peak"] = step_peak(sp, lambda: sp(input_ids=ids, labels=labels).loss)
+            with _zero3_events() as events:       # the last step's order of collectives
+                loss, row["peak"] = step_peak(sp, lambda: _marked(events, sp(input_ids=ids, labels=labels).loss))
             ref_loss = one(input_ids=ids, labels=labels).loss
             ref_loss.backward()
             row["loss_err"] = max(row["loss_err"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
@@ -844,8 +846,42 @@ def zero3_in_graph(seq_len: int = 64, steps: int = 1, compilers: tuple[str, ...]
             row["report"] = sp.report().as_dict()
             opt.step(), opt_one.step()
             opt.zero_grad(set_to_none=True), opt_one.zero_grad(set_to_none=True)
+        row["events"] = events
         row["shard_elements"] = sum(_local(p).numel() for p in model.parameters())
         row["dtensors"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
         row["keys_plain"] = list(model.state_dict()) == list(ref.state_dict())
         out[compiler] = row
     return out
+
+
+def _marked(events: list[str], loss: torch.Tensor) -> torch.Tensor:
+    events.append("|")
+    return loss
+
+
+@contextlib.contextmanager
+def _zero3_events():
+    """The order in which this rank starts and waits for ZeRO 3's collectives, with the SP
+    all-to-alls (``a``) between them: ``G`` a gather starts, ``g`` waited for; ``R`` a gradient
+    reduction starts, ``r`` waited for; ``|`` the backward begins."""
+    from autosp.strategies import collectives
+    from autosp.transform import zero3_overlap
+
+    events: list[str] = []
+    saved = collectives.tally, zero3_overlap.tally, zero3_overlap.wait_all
+    marks = {zero3_overlap.GATHER_KIND: ("G", "g"), zero3_overlap.REDUCE_KIND: ("R", "r")}
+
+    def tally(kind, group, *sent):
+        events.append(marks[kind][0] if kind in marks else "a" if kind == "all_to_all" else "")
+        return saved[0](kind, group, *sent)
+
+    def wait_all(works, kind, group):
+        events.append(marks[kind][1])
+        return saved[2](works, kind, group)
+
+    collectives.tally = zero3_overlap.tally = tally
+    zero3_overlap.wait_all = wait_all
+    try:
+        yield events
+    finally:
+        collectives.tally, zero3_overlap.tally, zero3_overlap.wait_all = saved

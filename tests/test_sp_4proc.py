@@ -135,7 +135,7 @@ def check_dp_sp(res, strategy, zero_stage, rows=2, boundaries=0, gathers=0):
             assert "grad_all_reduce" not in rep["collectives"] and r["fsdp_units"] == 0
             assert r["local_param_elements"] * 4 == r["param_elements"]
             # embedding | block 0 | block 1 | final norm + head; the backward reduce-scatters each unit once
-            assert rep["param_gathers"] == 4, rep
+            assert rep["param_gathers"] == 4 and rep["param_prefetched"] == 3, rep
             # compiled: the backward gathers both blocks and the head again (the embedding's backward
             # reads no weight); eager graphs keep what the forward gathered
             again = 3 if rep["compiler"] != "eager" else 0

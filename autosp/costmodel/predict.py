@@ -285,9 +285,11 @@ def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspa
 
 def zero3_transient(graph: OpGraph) -> float:
     """ZeRO 3 gathered inside the graph (:mod:`autosp.transform.zero3`): besides its shards a rank
-    holds about one unit whole at a time, and in its backward three copies of it: the parameters
-    gathered again, their whole gradients, and the flat buffer the reduce-scatter sends. A unit is
-    a transformer block, or the embedding or the head (half the parameters outside the blocks)."""
+    holds about three copies of one unit at its backward's peak: blocking, the parameters gathered
+    again, their whole gradients and the flat buffer the reduce-scatter sends; overlapped
+    (:mod:`autosp.transform.zero3_overlap`), the gradients, their buffer and the unit after's buffer
+    still in flight (the parameters are dead by then). A unit is a transformer block, or the
+    embedding or the head (half the parameters outside the blocks)."""
     unit = max([lc.params for lc in graph.layer_classes.values()] + [graph.nonlayer_params / 2])
     return 3 * unit * dtype_bytes(graph.dtype)
 

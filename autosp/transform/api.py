@@ -86,10 +86,13 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     to one process on the concatenated global batch) and sums gradients over the whole mesh once, in
     buckets of ``bucket_mb`` MiB launched asynchronously during the backward
     (:mod:`autosp.transform.grad_reducer`); ``1``: the same, and ``sp.optimizer(cls, **kw)`` shards
-    the optimizer states over the mesh.
+    the optimizer states over the mesh; ``2``: FSDP2 shards gradients and optimizer states; ``3``:
+    parameters too, gathered per transformer block inside the graph (:mod:`autosp.transform.zero3`).
     ``overlap``: strategies may pipeline their collectives with compute (``ulysses:cK``: K head
-    groups, each group's all-to-alls moving while another group attends), as planned; ``False``
-    runs every strategy unpipelined (its plain form), for comparison and debugging.
+    groups, each group's all-to-alls moving while another group attends), as planned, and ZeRO 3
+    gathers the next block while one computes and reduce-scatters a block's gradients while the
+    blocks before it back-propagate; ``False`` runs every strategy unpipelined (its plain form) and
+    ZeRO 3's collectives blocking, for comparison and debugging.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree (the mesh: DP across), ZeRO stage (unless ``zero_stage`` is given), token layout,
     per-layer strategies and checkpointing are applied; a plan made for another world size,
@@ -158,7 +161,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, layer_paths=layer_paths(model),
-                      loss_group=the_mesh.whole if reduced_by_us or not reduce_grads else group)
+                      loss_group=the_mesh.whole if reduced_by_us or not reduce_grads else group,
+                      prefetch_params=overlap)
     set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage

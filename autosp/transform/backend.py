@@ -24,6 +24,7 @@ from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _
 from autosp.transform.tiled_loss import tile_head_loss
 from autosp.transform.tiled_mlp import tile_mlps
 from autosp.transform.zero3 import bucket_gathers, tag_gathers_for_recompute
+from autosp.transform.zero3_overlap import prefetch_gathers
 
 
 @dataclass
@@ -90,6 +91,7 @@ class SPConfig:
     loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
     mlp_chunks: int | list[int] = 1     # >1: a layer's MLP over this many token chunks (tiled_mlp.py)
     loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
+    prefetch_params: bool = True        # ZeRO 3: gather the next unit while this one computes (zero3_overlap.py)
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -199,6 +201,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
                                           config.layer_paths, aot=config.compiler != "eager", mode_of=_mode_of(config),
                                           record=report.mlp_chunks)
         report.param_gathers = bucket_gathers(gm, config.layer_paths)
+        if report.param_gathers > 1 and config.prefetch_params:
+            report.param_prefetched = prefetch_gathers(gm)
         if report.param_gathers and config.compiler != "eager":
             tag_gathers_for_recompute(gm)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))

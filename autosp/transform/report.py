@@ -42,6 +42,7 @@ class SPReport:
     zero_stage: int | None = None  # None: gradients summed over the SP group inside the graphs
     grad_buckets: int = 0          # buckets autosp's gradient reduction all-reduces (zero_stage 0, 1)
     param_gathers: int = 0         # ZeRO 3: parameter all-gathers per forward, one per unit of blocks
+    param_prefetched: int = 0      # of which started while the unit before computes (overlap=True)
     attention: list[AttentionRow] = field(default_factory=list)
     # kind -> calls, bytes sent, seconds this rank's compute waited on them (exposed)
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -60,7 +61,8 @@ class SPReport:
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        units = f"{self.param_gathers} parameter gathers per forward" if self.zero_stage == 3 else \
+        units = f"{self.param_gathers} parameter gathers per forward, {self.param_prefetched} prefetched" \
+            if self.zero_stage == 3 else \
             f"{self.grad_buckets} gradient buckets"
         dp = f", DP degree {self.dp_degree}, ZeRO stage {self.zero_stage} ({units})" \
             if self.zero_stage is not None else ""

@@ -159,6 +159,7 @@ class SequenceParallel(nn.Module):
                         zero_stage=self.zero_stage,
                         grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
                         param_gathers=sum(r.param_gathers for r in self.state.reports),
+                        param_prefetched=sum(r.param_prefetched for r in self.state.reports),
                         seq_len=step["seq_len"], padded_len=step["padded_len"],
                         compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
                         attention=rows, collectives=counts,

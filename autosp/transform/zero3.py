@@ -93,9 +93,16 @@ def gather_shards(locals_: list[Tensor], rows: list[int], group_name: str) -> li
     world = dist.get_world_size(resolve_group(group_name))
     per = [_rows_per_rank(r, world) for r in rows]
     flat = torch.cat([_padded(t, p).reshape(-1) for t, p in zip(locals_, per)])
-    full = _gather_flat(flat, group_name)
+    return _unpack(_gather_flat(flat, group_name), locals_, rows)
+
+
+def _unpack(full: Tensor, locals_: list[Tensor], rows: list[int]) -> list[Tensor]:
+    """The gathered ``[world, n]`` buffer as whole parameters (own storage each: a custom op's
+    outputs may not alias one another)."""
+    world = full.shape[0]
     out, at = [], 0
-    for t, r, p in zip(locals_, rows, per):
+    for t, r in zip(locals_, rows):
+        p = _rows_per_rank(r, world)
         n = p * _row_numel(t)
         out.append(full[:, at:at + n].reshape(world * p, *t.shape[1:])[:r].clone())
         at += n
@@ -200,8 +207,13 @@ def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
 _GATHER_ID = 10 ** 6      # the gathers' checkpoint id: above every layer's (see checkpointing.py)
 
 
-def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
+def gather_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.autosp.gather_shards.default]
+
+
+def _prefetched(gm: fx.GraphModule) -> list[fx.Node]:
+    ops = (torch.ops.autosp.gather_start.default, torch.ops.autosp.gather_finish.default)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
 
 
 def bucket_gathers(gm: fx.GraphModule, layer_paths: list[str]) -> int:
@@ -213,7 +225,7 @@ def bucket_gathers(gm: fx.GraphModule, layer_paths: list[str]) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     runs: list[list[fx.Node]] = []
     last_unit: object = object()
-    for n in _gathers(gm):
+    for n in gather_nodes(gm):
         unit = _layer_of(n, layer_paths)
         if runs and unit == last_unit:
             runs[-1].append(n)
@@ -242,14 +254,14 @@ def bucket_gathers(gm: fx.GraphModule, layer_paths: list[str]) -> int:
             gm.graph.erase_node(g)
     gm.graph.lint()
     gm.recompile()
-    return sum(1 for _ in _gathers(gm))
+    return len(gather_nodes(gm))
 
 
 def tag_gathers_for_recompute(gm: fx.GraphModule) -> int:
     """Through AOTAutograd: the backward gathers each unit again rather than keep it from the
     forward (ZeRO 3's resharding). Returns how many gathers were tagged."""
     tagged = 0
-    for g in _gathers(gm):
+    for g in gather_nodes(gm) + _prefetched(gm):
         for n in (g, *g.users):
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = _GATHER_ID
