@@ -196,8 +196,18 @@ def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):
     assert long.exposed_comm_s - long.attention_exposed_s == pytest.approx(last_bucket)   # ...all but the last
     short = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=512, zero_stage=0)
     assert last_bucket < short.exposed_comm_s - short.attention_exposed_s < short.gradient_comm_s   # partly
+    blocking = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=3, overlap=False)
+    assert blocking.gradient_exposed_s == pytest.approx(blocking.gradient_comm_s)
+    assert blocking.exposed_comm_s - blocking.attention_exposed_s == pytest.approx(blocking.gradient_comm_s)
     sharded = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=3)
-    assert sharded.exposed_comm_s - sharded.attention_exposed_s == pytest.approx(sharded.gradient_comm_s)
+    units = 32 + 2                                  # the blocks, the embedding, the head
+    gbytes = llama8b.total_params * 2
+    g = prof.collective_time("all_gather", 8, gbytes / units / 8, False)
+    r = prof.collective_time("reduce_scatter", 8, gbytes / units, False)
+    forward_per_unit = (sharded.compute_s - sharded.attention_bwd_s) / units
+    assert g < forward_per_unit                     # each gather hides behind a unit's forward
+    assert sharded.gradient_comm_s == pytest.approx(units * (2 * g + r))
+    assert sharded.gradient_exposed_s == pytest.approx(units * g + g + r)
 
 
 def test_ranks_sharing_a_core_finish_with_the_busier_ones_work_spread():

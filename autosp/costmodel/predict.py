@@ -80,6 +80,7 @@ class Prediction:
     attention_exposed_s: float = 0.0
     attention_saved: dict | None = None  # per layer class: bytes one layer's strategy keeps for backward
     gradient_comm_s: float = 0.0
+    gradient_exposed_s: float = 0.0     # of it, what the compute waits for (ZeRO gathers included)
 
 
 def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
@@ -146,7 +147,7 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
             layout: str | None = None, seq_len: int | None = None, dp: int = 1, zero_stage: int = 0,
             reduce_grads: bool = True, devices_per_node: int | None = None,
-            documents: tuple[int, ...] = ()) -> Prediction:
+            documents: tuple[int, ...] = (), overlap: bool = True) -> Prediction:
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
         raise AutospError(f"sequence length {S} is not divisible by the SP degree {sp}; pad it to "
@@ -219,8 +220,10 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                                     for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=lc.captured[0])
                                     ) if sp > 1 else 0.0
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
-                                                         reduce_grads or dp > 1, backward_s)
+                                                         reduce_grads or dp > 1, backward_s,
+                                                         p.compute_s - backward_s, overlap)
     p.comm_s = p.attention_comm_s + p.gradient_comm_s
+    p.gradient_exposed_s = gradient_exposed
     p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
     p.phases = {}
     p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases)
@@ -237,7 +240,7 @@ BUCKET_BYTES = 25 * 2 ** 20         # autosp's gradient buckets (autosp.compile(
 
 
 def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_stage: int, reduce: bool,
-                   backward_s: float) -> tuple[float, float]:
+                   backward_s: float, forward_s: float = 0.0, overlap: bool = True) -> tuple[float, float]:
     """(communication, exposed) of the gradient reduction over the SP x DP group and ZeRO 3's
     parameter gathers.
 
@@ -245,21 +248,40 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     (:mod:`autosp.transform.grad_reducer`): every bucket but the last moves beside the
     backward compute still to run, t = all buckets, t_last = the last one's:
         exposed = t_last + max(0, s_comm * (t - t_last) - backward_s)
-    Stages 2 and 3 shard with one FSDP unit (the root): its gathers and its reduce-scatter
-    run before the forward and after the backward, exposed in full.
+    Stage 2 shards with one FSDP unit (the root): its gathers and its reduce-scatter run
+    before the forward and after the backward, exposed in full.
+    Stage 3 gathers per unit inside the graph (:mod:`autosp.transform.zero3`): U = the blocks
+    + 2 units (embedding, head), each a gather g and a reduce-scatter r of 1/U of the
+    parameters; the backward gathers each again, blocking (recomputed where it is needed).
+    Overlapped (:mod:`autosp.transform.zero3_overlap`) unit k+1's gather moves beside unit k's
+    forward f = forward_s / U, and unit k's reduce-scatter beside unit k-1's backward
+    b = backward_s / U, each slowed by the profile's concurrency factors:
+        hide(c, w) = max(0, s_comm * c - w) + (s_compute - 1) * min(w, s_comm * c)
+        exposed = U * g + g + (U - 1) * hide(g, f) + r + (U - 1) * hide(r, b)
+    and blocking, exposed = 2 * U * g + U * r.
     """
     if group <= 1 or not reduce:
         return 0.0, 0.0
     gbytes = graph.total_params * dtype_bytes(graph.dtype)
     big = group > profile.devices_per_node
+    s_comm, s_compute = profile.concurrency()
+    if zero_stage == 3:
+        units = sum(lc.count for lc in graph.layer_classes.values()) + 2
+        g = profile.collective_time("all_gather", group, gbytes / units / group, big)
+        r = profile.collective_time("reduce_scatter", group, gbytes / units, big)
+        t = units * (2 * g + r)
+        if not overlap:
+            return t, t
+
+        def hide(c: float, w: float) -> float:
+            return max(0.0, s_comm * c - w) + (s_compute - 1) * min(w, s_comm * c)
+        return t, units * g + g + (units - 1) * hide(g, forward_s / units) + r + \
+            (units - 1) * hide(r, backward_s / units)
     collective = "reduce_scatter" if zero_stage >= 2 else "all_reduce"
     t = profile.collective_time(collective, group, gbytes, big)
-    if zero_stage == 3:       # parameters all-gathered for forward and again for backward
-        t += 2 * profile.collective_time("all_gather", group, gbytes / group, big)
     if zero_stage >= 2:
         return t, t
     t_last = profile.collective_time(collective, group, min(gbytes, BUCKET_BYTES), big)
-    s_comm, _ = profile.concurrency()
     return t, t_last + max(0.0, s_comm * (t - t_last) - backward_s)
 
 

@@ -80,7 +80,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             if layout not in by_layout:
                 by_layout[layout] = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len,
                                                       dp=world // sp, zero_stage=zero_stage, devices_per_node=dpn,
-                                                      documents=documents) for st in strats}
+                                                      documents=documents, overlap=overlap) for st in strats}
             ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
