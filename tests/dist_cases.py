@@ -543,7 +543,7 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
 
 def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str = "ulysses", steps: int = 3,
                   seq_len: int = 32, rows: int = 2, uneven: bool = True, bucket_mb: float = 0.01,
-                  plan_dir: str = "", **cfg: Any) -> dict[str, Any]:
+                  plan_dir: str = "", zero_shard: Any = "mesh", **cfg: Any) -> dict[str, Any]:
     """A dp x sp mesh (``rows`` data-parallel rows) against one process on the concatenated global
     batch: loss and every parameter gradient per AdamW step, and what ran (from the report)."""
     import torch.distributed as dist
@@ -559,7 +559,8 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
         _dp_plan(kind, seq_len, rows, strategy, zero_stage).save(path)
         sp = autosp.compile(model, plan=path, bucket_mb=bucket_mb)
     else:
-        sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb)
+        sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb,
+                            zero_shard=zero_shard)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = sp.optimizer(torch.optim.AdamW, lr=1e-3)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}

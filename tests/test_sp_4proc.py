@@ -166,6 +166,23 @@ def test_zero_stages_2_and_3_equal_one_process(pool, stage, kind, strategy):
         assert abs(r["state_bytes"] / r["predicted_state_bytes"] - 1) < 0.05, r
 
 
+def test_zero_3_by_node_shards_inside_each_pair_and_sums_across_pairs(pool):
+    # HSDP on 2 "nodes" of 2 ranks: each parameter sharded over the 2 ranks of a node, replicated across
+    res = run_ok(pool, "dp_sp_compare", kind="llama", strategy="ulysses", zero_stage=3, zero_shard=2, steps=2)
+    for r in res:
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4 and r["param_err"] < 1e-5, r
+        assert r["strategies"] == ["ulysses"] * 2
+        assert r["local_param_elements"] * 2 == r["param_elements"]          # half, not a quarter
+        assert abs(r["state_bytes"] / (r["one_process_state_bytes"] / 2) - 1) < 0.10, r
+        colls = r["report"]["collectives"]
+        # per unit: one gather inside the node (this rank sends its half-of-a-node shard), one
+        # reduce-scatter inside it, one all-reduce of the reduced shard across the nodes
+        assert colls["param_all_gather"]["calls"] == colls["grad_reduce_scatter"]["calls"] == 4, colls
+        assert colls["grad_replica_all_reduce"]["calls"] == 4, colls
+        assert colls["param_all_gather"]["bytes"] * 2 == r["param_elements"] * 4, colls
+    assert len({r["losses"][-1][1] for r in res}) == 1
+
+
 def test_a_plan_applies_whole_mesh_strategy_and_zero_stage(pool, tmp_path):
     # plan: SP 2 x DP 2, all-gather-KV, ZeRO 3; nothing else passed to autosp.compile
     res = run_ok(pool, "dp_sp_compare", kind="llama", strategy="allgather_kv", zero_stage=3, steps=2,

@@ -50,6 +50,7 @@ class Plan:
     schema: str = SCHEMA
     loss_chunks: int = 1                      # token chunks of the LM head and loss (1: untiled)
     memory_margin: float = 0.0                # share of the limit left free for the memory model's error
+    zero_shard: int = 0                       # ZeRO 3: 0 shards over every rank; k over each k (a node, HSDP)
 
     # ------------------------------------------------------------------ io
     def to_json(self) -> str:

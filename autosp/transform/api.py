@@ -38,7 +38,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
             gather_outputs: bool | None = None, plan: Any = None, compiler: str | None = None,
             checkpoint: str | Sequence[str] = "none", loss_chunks: int = 1, mlp_chunks: int | Sequence[int] = 1,
             mesh: DeviceMesh | None = None,
-            zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True) -> nn.Module:
+            zero_stage: int | None = None, bucket_mb: float = 25.0, overlap: bool = True,
+            zero_shard: int | str = "mesh") -> nn.Module:
     """Wrap ``model`` for sequence-parallel training over ``group`` (default: the whole world).
 
     ``strategy``: ``"auto"`` (Ulysses when the heads split, else ring), ``"ulysses"``,
@@ -93,6 +94,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     gathers the next block while one computes and reduce-scatters a block's gradients while the
     blocks before it back-propagate; ``False`` runs every strategy unpipelined (its plain form) and
     ZeRO 3's collectives blocking, for comparison and debugging.
+    ``zero_shard`` (ZeRO 3): ``"mesh"`` shards parameters over every rank of the mesh; ``"node"``
+    (the launch's ``LOCAL_WORLD_SIZE``) or a number k shards them over each k consecutive ranks and
+    replicates across (HSDP): gathers stay inside a node, and only the reduced shards cross nodes.
     ``plan``: a :class:`autosp.planner.plan.Plan` or the path of one (``autosp plan --out``):
     its SP degree (the mesh: DP across), ZeRO stage (unless ``zero_stage`` is given), token layout,
     per-layer strategies and checkpointing are applied; a plan made for another world size,
@@ -112,6 +116,7 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         loss_chunks = the_plan.loss_chunks if loss_chunks == 1 else loss_chunks
         sp_size = the_plan.sp_degree if the_plan.sp_degree > 1 else sp_size
         zero_stage = the_plan.zero_stage if zero_stage is None else zero_stage
+        zero_shard = the_plan.zero_shard or "mesh" if zero_shard == "mesh" else zero_shard
     strategies = [strategy] if isinstance(strategy, str) else list(strategy)
     for st in strategies:
         check_spec(st)
@@ -157,7 +162,9 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
             raise AutospError(f"zero_stage={zero_stage} shards parameters over a device mesh; pass mesh= "
                               "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of group=")
-        param_group_name = shard_parameters(model, the_mesh, zero_stage)
+        param_groups = shard_parameters(model, the_mesh, zero_stage, _shard_ranks(zero_shard))
+    elif zero_shard != "mesh":
+        raise AutospError(f"zero_shard={zero_shard!r} shards ZeRO 3's parameters by node (HSDP); it needs zero_stage=3")
     config = SPConfig(group, strategies[0] if isinstance(strategy, str) else strategies, layout, gather_outputs,
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, layer_paths=layer_paths(model),
@@ -166,12 +173,27 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
     set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage
-    sp.param_group_name = param_group_name if zero_stage in (2, 3) else ""
+    sp.param_groups = param_groups if zero_stage in (2, 3) else []
     if zero_stage in (0, 1):
         sp.reducer = GradReducer(list(model.parameters()), the_mesh.whole, bucket_mb)
     sp.plan = the_plan
     sp.plan_provider = provider
     return sp
+
+
+def _shard_ranks(zero_shard: int | str) -> int:
+    """0: shard over the whole mesh; k: over each k consecutive ranks (a node), replicated across."""
+    if zero_shard == "mesh":
+        return 0
+    if zero_shard == "node":
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if not local:
+            raise AutospError("zero_shard='node' reads the devices per node from the launch (LOCAL_WORLD_SIZE, set by "
+                              "torchrun); give their number instead, e.g. zero_shard=8")
+        return int(local)
+    if isinstance(zero_shard, int) and not isinstance(zero_shard, bool) and zero_shard >= 1:
+        return zero_shard
+    raise AutospError(f"zero_shard must be 'mesh', 'node' or a number of ranks per shard group, got {zero_shard!r}")
 
 
 def _check_plan_placement(plan: Any) -> None:

@@ -89,7 +89,7 @@ class SequenceParallel(nn.Module):
         self.mesh: Mesh | None = None    # set by autosp.compile
         self.zero_stage: int | None = None
         self.reducer: GradReducer | None = None
-        self.param_group_name = ""       # ZeRO 3: the group its parameter gathers run on (zero3.py)
+        self.param_groups: list[str] = []    # ZeRO 3: the groups its gathers and reductions run on (zero3.py)
         # DeepSpeed ZeRO 3 reads this flag: it gathers every parameter at this module's entry and
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
@@ -145,8 +145,7 @@ class SequenceParallel(nn.Module):
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
-        if self.param_group_name:
-            groups.add(self.param_group_name)
+        groups.update(self.param_groups)
         counts: dict[str, dict[str, float]] = {}
         for (group, kind), (calls, sent, waited) in TALLY.items():
             before = step["tally"].get((group, kind), (0, 0, 0.0))

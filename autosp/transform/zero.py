@@ -23,22 +23,35 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from autosp.errors import AutospError
 from autosp.transform.mesh import Mesh, flat_device_mesh
 from autosp.transform.zero3 import shard_in_graph
 
 
-def shard_parameters(model: nn.Module, mesh: Mesh, stage: int) -> str:
+def shard_parameters(model: nn.Module, mesh: Mesh, stage: int, shard_ranks: int = 0) -> list[str]:
     """Shard ``model`` in place for ZeRO ``stage`` (2: FSDP2, 3: in the graph), summing gradients.
-    Returns the name of the group that stage 3's gathers run on ("" for stage 2)."""
+    ``shard_ranks`` (stage 3): 0 shards over the whole mesh; k shards over each k consecutive ranks
+    (a node) and replicates across them (HSDP). Returns the groups stage 3's collectives use."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if stage == 3:
         flat = flat_device_mesh(mesh)
+        if shard_ranks and shard_ranks != flat.size():
+            if shard_ranks < 1 or flat.size() % shard_ranks:
+                raise AutospError(f"zero_shard={shard_ranks} does not divide the mesh's {flat.size()} ranks; shard "
+                                  f"over a divisor of {flat.size()} (a node's devices), or zero_shard='mesh'")
+            flat = DeviceMesh(flat.device_type, flat.mesh.reshape(-1, shard_ranks),
+                              mesh_dim_names=("replicate", "shard"))
         shard_in_graph(model, flat)
-        return flat.get_group().group_name
+        if flat.ndim == 2:
+            return [flat["shard"].get_group().group_name, flat["replicate"].get_group().group_name]
+        return [flat.get_group().group_name]
+    if shard_ranks:
+        raise AutospError(f"zero_shard applies to zero_stage=3 (HSDP); stage {stage} shards over the whole mesh")
     fully_shard(model, mesh=flat_device_mesh(mesh), reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-    return ""
+    return []

@@ -45,6 +45,7 @@ from autosp.strategies.collectives import blocked, resolve_group, tally
 
 GATHER_KIND = "param_all_gather"        # the tally's names (report.collectives) for these collectives
 REDUCE_KIND = "grad_reduce_scatter"
+REPLICA_KIND = "grad_replica_all_reduce"
 
 
 # ------------------------------------------------------------------------------ the collectives
@@ -84,7 +85,24 @@ def _reduce_scatter_flat(full: Tensor, group_name: str) -> Tensor:
         dist.all_reduce(full, group=pg)
         out = full[dist.get_rank(pg)].clone()
     blocked(REDUCE_KIND, group_name, t0)
-    return out
+    return sum_over_replicas(out, group_name)
+
+
+# HSDP: the group that holds copies of a shard group's shards (by the shard group's name), whose
+# partial sums the reduced shard is summed over too. Set by shard_in_graph, the same on every rank.
+_REPLICAS: dict[str, str] = {}
+
+
+def sum_over_replicas(shard: Tensor, group_name: str) -> Tensor:
+    """Under HSDP, this rank's reduced shard summed over the ranks holding the same shard."""
+    replicas = _REPLICAS.get(group_name)
+    if replicas is None:
+        return shard
+    tally(REPLICA_KIND, replicas, shard)
+    t0 = time.perf_counter()
+    dist.all_reduce(shard, group=resolve_group(replicas))
+    blocked(REPLICA_KIND, replicas, t0)
+    return shard
 
 
 @torch.library.custom_op("autosp::gather_shards", mutates_args=())
@@ -175,12 +193,20 @@ def _reader(name: str, rows: int, group_name: str) -> property:
 
 
 def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
-    """Replace every parameter of ``model`` by its ``Shard(0)`` DTensor over ``device_mesh``
-    (the whole dp x sp mesh, 1-D) and make Dynamo read it gathered. Returns how many.
+    """Replace every parameter of ``model`` by its dim-0 DTensor shard over ``device_mesh`` and make
+    Dynamo read it gathered. Returns how many. A 1-D mesh (the whole dp x sp mesh) shards over all
+    its ranks; a 2-D ``("replicate", "shard")`` mesh is HSDP: sharded over each row (a node),
+    replicated across rows, gradients reduce-scattered in the row and summed across rows.
     Tied parameters (an embedding shared with the head) stay one parameter."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    group_name = device_mesh.get_group().group_name
+    if device_mesh.ndim == 2:
+        placements = [Replicate(), Shard(0)]
+        group_name = device_mesh["shard"].get_group().group_name
+        _REPLICAS[group_name] = device_mesh["replicate"].get_group().group_name
+    else:
+        placements = [Shard(0)]
+        group_name = device_mesh.get_group().group_name
     sharded: dict[int, nn.Parameter] = {}
     for path, module in model.named_modules():
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -193,7 +219,7 @@ def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
                 raise AutospError(f"parameter {path}.{n} is a scalar; ZeRO 3 shards parameters along dim 0: "
                                   "make it a 1-element tensor, or use zero_stage=2")
             if id(p) not in sharded:
-                sharded[id(p)] = nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Shard(0)]),
+                sharded[id(p)] = nn.Parameter(distribute_tensor(p.detach(), device_mesh, placements),
                                               requires_grad=p.requires_grad)
             module._parameters[n] = sharded[id(p)]
             readers[n] = _reader(n, p.shape[0], group_name)

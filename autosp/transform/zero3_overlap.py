@@ -32,7 +32,7 @@ from torch import Tensor
 
 from autosp.strategies.collectives import resolve_group, tally, wait_all
 from autosp.transform.zero3 import (GATHER_KIND, REDUCE_KIND, _padded, _row_numel, _rows_per_rank, _unpack,
-                                    gather_nodes)
+                                    gather_nodes, sum_over_replicas)
 
 # Buffers in flight by data pointer: (the work to wait for, what it sends or where it lands).
 _IN_FLIGHT: dict[int, tuple[Any, Tensor | None]] = {}
@@ -107,7 +107,7 @@ def scatter_finish(flat: Tensor, local_rows: list[int], rows: list[int], row_sha
     work, out = _IN_FLIGHT.pop(flat.data_ptr(), (None, None))
     if work is not None:
         wait_all([work], REDUCE_KIND, group_name)
-    mine = out if out is not None else flat[rank]
+    mine = sum_over_replicas(out if out is not None else flat[rank].clone(), group_name)
     shards, at = [], 0
     for (local, r), like in zip(zip(local_rows, rows), _shapes(row_shapes)):
         p = _rows_per_rank(r, world)
