@@ -260,3 +260,20 @@ def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_la
     p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
     assert p.sp_degree == 8 and p.predicted["peak_bytes"] <= 80e9, p.predicted
     assert {layer["checkpoint"] for layer in p.layers} == {"selective"}, p.layers
+
+
+def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
+    """64 H100s, 8 per node, 128k tokens, ZeRO 3: Llama-3-8B's states fit 8 ways, so the planner
+    shards each parameter within a node (HSDP: gathers on NVLink, only reduced shards cross nodes);
+    Llama-3-70B's 16 bytes per parameter over 8 devices (140 GB) do not fit, so it shards over all 64."""
+    small = capture("llama3-8b", seq_len=4096)
+    kw = dict(seq_len=131072, world_size=64, devices_per_node=8, profile="h100-sxm", zero_stage=3)
+    hsdp = plan(None, graph=small, **kw)
+    flat = plan(None, graph=small, zero_shard=0, **kw)
+    assert hsdp.zero_shard == 8 and flat.zero_shard == 0
+    assert hsdp.predicted["total_s"] < flat.predicted["total_s"]
+    assert hsdp.predicted["memory"]["parameters"] == pytest.approx(8 * flat.predicted["memory"]["parameters"])
+    big = plan(None, graph=capture("llama3-70b", seq_len=4096), **kw)
+    assert big.zero_shard == 0
+    with pytest.raises(AutospError, match="no plan fits"):
+        plan(None, graph=capture("llama3-70b", seq_len=4096), zero_shard=8, **kw)

@@ -38,10 +38,13 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 2)
 
 
-def model_states(graph: OpGraph, group: int, zero_stage: int) -> dict[str, float]:
-    """Bytes per device of parameters, optimizer states and gradients under a ZeRO stage."""
+def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) -> dict[str, float]:
+    """Bytes per device of parameters, optimizer states and gradients under a ZeRO stage; ``shard``
+    (stage 3, HSDP): the ranks each parameter is sharded over, 0 = the whole group."""
     p_bytes = dtype_bytes(graph.dtype)
     n = graph.total_params
+    if zero_stage == 3 and shard:
+        group = shard
     return {"parameters": n * p_bytes / (group if zero_stage >= 3 else 1),
             "optimizer": n * (8 + (4 if p_bytes < 4 else 0)) / (group if zero_stage >= 1 else 1),
             "gradients": n * p_bytes / (group if zero_stage >= 2 else 1)}

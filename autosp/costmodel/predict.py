@@ -147,7 +147,7 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
             layout: str | None = None, seq_len: int | None = None, dp: int = 1, zero_stage: int = 0,
             reduce_grads: bool = True, devices_per_node: int | None = None,
-            documents: tuple[int, ...] = (), overlap: bool = True) -> Prediction:
+            documents: tuple[int, ...] = (), overlap: bool = True, zero_shard: int = 0) -> Prediction:
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
         raise AutospError(f"sequence length {S} is not divisible by the SP degree {sp}; pad it to "
@@ -221,12 +221,12 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                                     ) if sp > 1 else 0.0
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
                                                          reduce_grads or dp > 1, backward_s,
-                                                         p.compute_s - backward_s, overlap)
+                                                         p.compute_s - backward_s, overlap, zero_shard, dpn)
     p.comm_s = p.attention_comm_s + p.gradient_comm_s
     p.gradient_exposed_s = gradient_exposed
     p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
     p.phases = {}
-    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases)
+    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard)
     p.peak_bytes = p.memory["peak"]
     p.model_flops = graph.total_flops(S) / sp          # per device: its share of one sequence
     p.total_s = p.compute_s + p.exposed_comm_s
@@ -240,7 +240,8 @@ BUCKET_BYTES = 25 * 2 ** 20         # autosp's gradient buckets (autosp.compile(
 
 
 def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_stage: int, reduce: bool,
-                   backward_s: float, forward_s: float = 0.0, overlap: bool = True) -> tuple[float, float]:
+                   backward_s: float, forward_s: float = 0.0, overlap: bool = True, shard: int = 0,
+                   devices_per_node: int | None = None) -> tuple[float, float]:
     """(communication, exposed) of the gradient reduction over the SP x DP group and ZeRO 3's
     parameter gathers.
 
@@ -258,7 +259,9 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     b = backward_s / U, each slowed by the profile's concurrency factors:
         hide(c, w) = max(0, s_comm * c - w) + (s_compute - 1) * min(w, s_comm * c)
         exposed = U * g + g + (U - 1) * hide(g, f) + r + (U - 1) * hide(r, b)
-    and blocking, exposed = 2 * U * g + U * r.
+    and blocking, exposed = 2 * U * g + U * r. HSDP (``shard`` = k ranks per shard group, a node):
+    g gathers over the k ranks, and r is a reduce-scatter over them plus an all-reduce of the
+    reduced 1/k shard over the group / k replicas, across nodes.
     """
     if group <= 1 or not reduce:
         return 0.0, 0.0
@@ -267,8 +270,12 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     s_comm, s_compute = profile.concurrency()
     if zero_stage == 3:
         units = sum(lc.count for lc in graph.layer_classes.values()) + 2
-        g = profile.collective_time("all_gather", group, gbytes / units / group, big)
-        r = profile.collective_time("reduce_scatter", group, gbytes / units, big)
+        k = shard if 0 < shard < group else group
+        inside = k > (devices_per_node or profile.devices_per_node)
+        g = profile.collective_time("all_gather", k, gbytes / units / k, inside)
+        r = profile.collective_time("reduce_scatter", k, gbytes / units, inside)
+        if k < group:
+            r += profile.collective_time("all_reduce", group // k, gbytes / units / k, True)
         t = units * (2 * g + r)
         if not overlap:
             return t, t
@@ -286,8 +293,8 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
 
 
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,
-            phases: dict) -> dict[str, float]:
-    states = model_states(graph, sp * dp, zero_stage)
+            phases: dict, zero_shard: int = 0) -> dict[str, float]:
+    states = model_states(graph, sp * dp, zero_stage, zero_shard)
     s_loc = S / sp
     step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases)
     extra_layers = untraced_layer_activations(graph, s_loc)

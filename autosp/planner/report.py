@@ -69,7 +69,8 @@ def plan_table(plan) -> list:  # -> list of rich renderables
 
     pr = plan.predicted
     head = Table(title=f"{plan.model}: {plan.seq_len} tokens on {plan.world_size} devices "
-                       f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {plan.zero_stage})")
+                       f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {plan.zero_stage}"
+                       f"{f' sharded per {plan.zero_shard} ranks, HSDP' if getattr(plan, 'zero_shard', 0) else ''})")
     head.add_column("decision")
     head.add_column("value", justify="right")
     head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")

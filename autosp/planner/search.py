@@ -50,7 +50,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      strategies: tuple[str, ...] | None = None,
                      documents: tuple[int, ...] = (), overlap: bool = True,
                      mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
-                     loss_chunks: tuple[int, ...] = LOSS_CHUNKS) -> tuple[list[Candidate], dict]:
+                     loss_chunks: tuple[int, ...] = LOSS_CHUNKS, zero_shard: int = 0) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options; ``strategies`` restricts the strategy families, ``mlp_chunks``
     the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled)."""
     nodes = graph.attention_nodes("fwd")
@@ -80,7 +80,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             if layout not in by_layout:
                 by_layout[layout] = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len,
                                                       dp=world // sp, zero_stage=zero_stage, devices_per_node=dpn,
-                                                      documents=documents, overlap=overlap) for st in strats}
+                                                      documents=documents, overlap=overlap,
+                                                      zero_shard=zero_shard) for st in strats}
             ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
@@ -125,7 +126,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          sp_degrees: tuple[int, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
          overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
-         loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN) -> Plan:
+         loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN,
+         zero_shard: int | None = None) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
     The plan's predicted peak stays within ``memory_limit`` x (1 - ``memory_margin``): the margin
@@ -135,7 +137,11 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     ``loss_chunks`` (of the LM head and loss) and ``strategies`` (strategy families) restrict the space,
     ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
-    mask within each that the model builds from restarting position ids)."""
+    mask within each that the model builds from restarting position ids).
+    ``zero_shard`` (ZeRO 3): 0 shards parameters over every rank, k over each k ranks (HSDP);
+    ``None`` (default) lets the planner choose between the whole mesh and one node where the
+    world spans several: within a node the gathers stay on the node's fast links, at k / N of
+    the memory savings."""
     if world_size < 1:
         raise AutospError(f"world size must be at least 1, got {world_size}")
     if zero_stage not in (0, 1, 2, 3):
@@ -147,14 +153,25 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     if limit == float("inf"):
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     budget = _budget(limit, memory_margin)
-    t0 = time.perf_counter()
-    cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
-                                    strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
-                                    tuple(loss_chunks))
-    t_cost = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    ranked = solve_k_best(cands, budget, alternatives + 1) if cands else []
-    t_solve = time.perf_counter() - t1
+    if zero_shard is None:
+        zero_shard = 0
+        shards = [0, dpn] if zero_stage == 3 and world_size > dpn and world_size % dpn == 0 else [0]
+    else:
+        shards = [zero_shard]
+    t_cost = t_solve = 0.0
+    best: tuple | None = None
+    for shard in shards:      # per sharding group its own ILP; the faster plan that fits wins
+        t0 = time.perf_counter()
+        cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
+                                        strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
+                                        tuple(loss_chunks), zero_shard=shard)
+        t_cost += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        ranked = solve_k_best(cands, budget, alternatives + 1) if cands else []
+        t_solve += time.perf_counter() - t1
+        if best is None or (ranked and (not best[1] or ranked[0].time_s < best[1][0].time_s)):
+            best = (shard, ranked, cands)
+    zero_shard, ranked, cands = best
     if not ranked:
         if not cands:
             raise AutospError(f"no strategy in {', '.join(strategies or ())} can run {g.model_name} on "
@@ -162,7 +179,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
-    out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, seq_len,
+    out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, zero_shard,
+                   seq_len,
                    {"status": sol.status, "candidates": len(cands), "cost_s": t_cost, "solve_s": t_solve,
                     "solves": len(ranked),
                     "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
@@ -185,7 +203,8 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
 
 
 def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Solution], cands: dict, world: int,
-             dpn: int, limit: float, margin: float, zero_stage: int, seq_len: int, solver: dict) -> Plan:
+             dpn: int, limit: float, margin: float, zero_stage: int, zero_shard: int, seq_len: int,
+             solver: dict) -> Plan:
     sp, layout, loss_chunks = sol.mesh
     main = _summary(g, prof, sol, cands[sol.mesh], seq_len)
     mesh = SPMesh(sp, layout, dpn)
@@ -198,7 +217,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
         layers.append({"class": lc.module_type, "fingerprint": fp, "count": lc.count, "strategy": st,
                        "checkpoint": k, "mlp_chunks": chunks, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
                        "exposed_comm_s": chosen.exposed_s})
-    states = model_states(g, world, zero_stage)
+    states = model_states(g, world, zero_stage, zero_shard)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     saved_by = _what_each_saves(cands, sol)
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,
@@ -209,7 +228,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, sp_degree=sp, dp_degree=world // sp,
                 layout=layout, layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
                 memory_margin=margin, zero_stage=zero_stage, alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts],
-                solver=solver, loss_chunks=loss_chunks)
+                solver=solver, loss_chunks=loss_chunks, zero_shard=zero_shard)
 
 
 def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
