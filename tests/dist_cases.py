@@ -702,6 +702,12 @@ def _grad_reductions_since() -> Any:
     return lambda: sum(v[0] for (g, k), v in TALLY.items() if k == "grad_all_reduce") - start
 
 
+def _mesh22() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+
+
 def dp_sp_errors() -> list[str]:
     """The one-line refusals of bad mesh / ZeRO input."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -721,6 +727,9 @@ def dp_sp_errors() -> list[str]:
         lambda: _user_fsdp_step(),
         lambda: _with_env(LOCAL_WORLD_SIZE="2")(
             lambda: autosp.compile(build("llama"), plan=_dp_plan("llama", 32, 1, "hybrid:2x2", 0))),
+        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=3, checkpoint="full", compiler="aot_eager"),
+        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=3, zero_shard=3),
+        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=2, zero_shard=2),
     ]
     for attempt in attempts:
         try:

@@ -152,7 +152,7 @@ def test_the_ilp_pipelines_ulysses_where_it_hides_communication():
     # attention, so the ILP picks a head-group count K > 1, predicting less exposed communication
     # than plain Ulysses; overlap=False leaves only unpipelined strategies.
     g = capture("llama3-8b", seq_len=65536)
-    kw = dict(graph=g, seq_len=65536, world_size=8, profile="h100-sxm", sp_degrees=(8,), checkpoints=("full",), zero_stage=3,
+    kw = dict(graph=g, seq_len=65536, world_size=8, profile="h100-sxm", sp_degrees=(8,), checkpoints=("selective",), zero_stage=3,
               strategies=("ulysses",))
     piped, plain = plan(None, **kw), plan(None, overlap=False, **kw)
     (layer,), (plain_layer,) = piped.layers, plain.layers
@@ -277,3 +277,5 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
     assert big.zero_shard == 0
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, graph=capture("llama3-70b", seq_len=4096), zero_shard=8, **kw)
+    with pytest.raises(AutospError, match="full checkpointing is not applied yet"):
+        plan(None, graph=small, checkpoints=("full",), **kw)

@@ -218,6 +218,9 @@ def test_mesh_and_zero_stage_errors_name_the_fix(pool):
     assert "compile with zero_stage=0-3" in msgs[6]
     assert "already wrapped with FSDP" in msgs[7] and "zero_stage=2 or 3" in msgs[7]
     assert "node of 4 devices" in msgs[8] and "--devices-per-node 2" in msgs[8]
+    assert "checkpoint='full'" in msgs[9] and "checkpoint='selective'" in msgs[9]
+    assert "zero_shard=3 does not divide the mesh's 4 ranks" in msgs[10]
+    assert "zero_shard applies to zero_stage=3" in msgs[11]
 
 
 @pytest.mark.parametrize("stage,resume_on,resume_stage", [(3, (2, 2), 3), (3, (1, 4), 0)])

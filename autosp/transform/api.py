@@ -162,6 +162,11 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
             raise AutospError(f"zero_stage={zero_stage} shards parameters over a device mesh; pass mesh= "
                               "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of group=")
+        modes = [checkpoint] if isinstance(checkpoint, str) else checkpoint
+        if zero_stage == 3 and compiler != "eager" and "full" in modes:
+            raise AutospError(f"zero_stage=3 with checkpoint='full' through {compiler} is not supported yet (AOTAutograd "
+                              "cannot recompute a block's parameter gather inside a fully checkpointed layer); use "
+                              "checkpoint='selective', zero_stage=2, or compiler='eager'")
         param_groups = shard_parameters(model, the_mesh, zero_stage, _shard_ranks(zero_shard))
     elif zero_shard != "mesh":
         raise AutospError(f"zero_shard={zero_shard!r} shards ZeRO 3's parameters by node (HSDP); it needs zero_stage=3")
@@ -169,7 +174,8 @@ def compile(model: nn.Module, *, strategy: str | Sequence[str] = "auto", layout:
                       reduce_grads=reduce_grads and not reduced_by_us, compiler=compiler, checkpoint=checkpoint,
                       loss_chunks=loss_chunks, mlp_chunks=mlp_chunks, layer_paths=layer_paths(model),
                       loss_group=the_mesh.whole if reduced_by_us or not reduce_grads else group,
-                      prefetch_params=overlap)
+                      # eager checkpointing splits the graph per layer: a prefetch would cross the split
+                      prefetch_params=overlap and not (compiler == "eager" and checkpoint != "none"))
     set_up(config, strategies)
     sp = SequenceParallel(model, config)
     sp.mesh, sp.zero_stage = the_mesh, zero_stage
