@@ -29,6 +29,7 @@ graph, where the planner's other decisions (checkpointing, overlap) see them:
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -128,10 +129,25 @@ def _unpack(full: Tensor, locals_: list[Tensor], rows: list[int]) -> list[Tensor
 
 
 def _row_numel(t: Tensor) -> int:
-    n = 1
-    for d in t.shape[1:]:
-        n *= d
-    return n
+    return math.prod(t.shape[1:])
+
+
+def flat_grads(grads: list[Tensor], world: int) -> Tensor:
+    """Whole gradients as one ``[world, n]`` buffer: row r holds every tensor's rank-r shard."""
+    return torch.cat([_padded(g, world * _rows_per_rank(g.shape[0], world)).reshape(world, -1) for g in grads],
+                     dim=1)
+
+
+def split_row(mine: Tensor, rows: list[int], local_rows: list[int], shapes: list[tuple[int, ...]],
+              world: int) -> list[Tensor]:
+    """This rank's row of a reduced :func:`flat_grads` buffer as its shard of each gradient."""
+    out, at = [], 0
+    for r, local, like in zip(rows, local_rows, shapes):
+        p = _rows_per_rank(r, world)
+        n = p * math.prod(like)
+        out.append(mine[at:at + n].reshape(p, *like)[:local].clone())
+        at += n
+    return out
 
 
 @gather_shards.register_fake
@@ -157,15 +173,8 @@ def scatter_grads(grads: list[Tensor], local_rows: list[int], group_name: str) -
     """The backward of :func:`gather_shards`: each whole gradient summed over the group, this
     rank's dim-0 shard of it kept, in one reduce-scatter."""
     world = dist.get_world_size(resolve_group(group_name))
-    per = [_rows_per_rank(g.shape[0], world) for g in grads]
-    flat = torch.cat([_padded(g, world * p).reshape(world, -1) for g, p in zip(grads, per)], dim=1)
-    mine = _reduce_scatter_flat(flat, group_name)
-    out, at = [], 0
-    for g, p, local in zip(grads, per, local_rows):
-        n = p * _row_numel(g)
-        out.append(mine[at:at + n].reshape(p, *g.shape[1:])[:local].clone())
-        at += n
-    return out
+    mine = _reduce_scatter_flat(flat_grads(grads, world), group_name)
+    return split_row(mine, [g.shape[0] for g in grads], local_rows, [tuple(g.shape[1:]) for g in grads], world)
 
 
 @scatter_grads.register_fake
@@ -248,10 +257,13 @@ def bucket_gathers(gm: fx.GraphModule, layer_paths: list[str]) -> int:
     parameter is read. Returns the number of gathers left (the collectives per forward)."""
     from autosp.transform.checkpointing import _layer_of
 
+    gathers = gather_nodes(gm)
+    if not gathers:             # not ZeRO 3: nothing to merge, and no recompile
+        return 0
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     runs: list[list[fx.Node]] = []
     last_unit: object = object()
-    for n in gather_nodes(gm):
+    for n in gathers:
         unit = _layer_of(n, layer_paths)
         if runs and unit == last_unit:
             runs[-1].append(n)

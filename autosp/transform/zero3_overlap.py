@@ -32,7 +32,7 @@ from torch import Tensor
 
 from autosp.strategies.collectives import resolve_group, tally, wait_all
 from autosp.transform.zero3 import (GATHER_KIND, REDUCE_KIND, _padded, _row_numel, _rows_per_rank, _unpack,
-                                    gather_nodes, sum_over_replicas)
+                                    flat_grads, gather_nodes, split_row, sum_over_replicas)
 
 # Buffers in flight by data pointer: (the work to wait for, what it sends or where it lands).
 _IN_FLIGHT: dict[int, tuple[Any, Tensor | None]] = {}
@@ -78,8 +78,7 @@ def scatter_start(grads: list[Tensor], group_name: str) -> Tensor:
     buffer in flight (gloo: all-reduced in place; nccl: reduce-scattered from it)."""
     pg = resolve_group(group_name)
     world = dist.get_world_size(pg)
-    flat = torch.cat([_padded(g, world * _rows_per_rank(g.shape[0], world)).reshape(world, -1) for g in grads],
-                     dim=1)
+    flat = flat_grads(grads, world)
     tally(REDUCE_KIND, group_name, flat)
     if dist.get_backend(pg) == "nccl":
         out = flat.new_empty(flat.shape[1:])
@@ -108,15 +107,7 @@ def scatter_finish(flat: Tensor, local_rows: list[int], rows: list[int], row_sha
     if work is not None:
         wait_all([work], REDUCE_KIND, group_name)
     mine = sum_over_replicas(out if out is not None else flat[rank].clone(), group_name)
-    shards, at = [], 0
-    for (local, r), like in zip(zip(local_rows, rows), _shapes(row_shapes)):
-        p = _rows_per_rank(r, world)
-        n = p
-        for d in like:
-            n *= d
-        shards.append(mine[at:at + n].reshape(p, *like)[:local].clone())
-        at += n
-    return shards
+    return split_row(mine, rows, local_rows, _shapes(row_shapes), world)
 
 
 @scatter_finish.register_fake
