@@ -346,15 +346,17 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     local_len = -(-seq_len // world)
     out = {}
-    default = autosp.compile(copy.deepcopy(ref))
+    # Ulysses forced: what the user gets back does not depend on the strategy (planning would
+    # capture the model once per compile).
+    default = autosp.compile(copy.deepcopy(ref), strategy="ulysses")
     with_labels = default(input_ids=ids, labels=labels).logits
     out["with_labels_len"] = with_labels.shape[1]
     lo = rank * local_len
     hi = min(lo + local_len, seq_len)
     out["with_labels_err"] = _rel(with_labels[:, : hi - lo], full[:, lo:hi])
-    no_labels = autosp.compile(copy.deepcopy(ref))(input_ids=ids).logits
+    no_labels = autosp.compile(copy.deepcopy(ref), strategy="ulysses")(input_ids=ids).logits
     out["no_labels_len"], out["no_labels_err"] = no_labels.shape[1], _rel(no_labels, full)
-    gathered = autosp.compile(copy.deepcopy(ref), gather_outputs=True)(input_ids=ids, labels=labels).logits
+    gathered = autosp.compile(copy.deepcopy(ref), strategy="ulysses", gather_outputs=True)(input_ids=ids, labels=labels).logits
     out["gathered_len"], out["gathered_err"] = gathered.shape[1], _rel(gathered, full)
     out["local_len"] = local_len
     return out

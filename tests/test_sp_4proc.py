@@ -23,12 +23,12 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
 
 
 def test_uneven_labels_and_length_not_divisible(pool):
-    check_exact(run_ok(pool, "train_compare", kind="reference", seq_len=30, uneven=True))
+    check_exact(run_ok(pool, "train_compare", kind="reference", strategy="ring", seq_len=30, uneven=True), ["ring"] * 2)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "olmo2"])     # Qwen2 and Mistral: in the DP and mask tests
 def test_other_sdpa_families_need_no_code(pool, kind):
-    check_exact(run_ok(pool, "train_compare", kind=kind, steps=1, heads=4, kv=2))
+    check_exact(run_ok(pool, "train_compare", kind=kind, strategy="ulysses", steps=1, heads=4, kv=2), ["ulysses"] * 2)
 
 
 def test_heads_that_ulysses_cannot_split(pool):
@@ -37,7 +37,8 @@ def test_heads_that_ulysses_cannot_split(pool):
     assert "hybrid" in msgs[0]
 
 
-@pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv", "hybrid:2x2"])
+# ring on 4 ranks: test_more_ranks_than_heads, test_graph_break_between_sharded_layers_is_exact
+@pytest.mark.parametrize("strategy", ["zigzag_ring", "allgather_kv", "hybrid:2x2"])
 @pytest.mark.parametrize("kind", ["llama"])          # the reference model: on 2 ranks
 def test_other_strategies_match_single_device(pool, strategy, kind):
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2)
@@ -57,7 +58,7 @@ def test_more_ranks_than_heads(pool, strategy):
     check_ran(res[0], ran, world=4)
 
 
-@pytest.mark.parametrize("inputs", list(MASKED))
+@pytest.mark.parametrize("inputs", ["window", "packed"])      # padding: the 2-rank blockwise tests
 def test_hybrid_takes_masks(pool, inputs):
     res = run_ok(pool, "train_compare", strategy="hybrid:2x2", steps=1, **MASKED[inputs])
     check_first_step_exact(res, ["hybrid:2x2"] * 2)
