@@ -272,19 +272,18 @@ def _merged(out: str, doc: dict, sections: set[str]) -> dict:
 
 def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.device, repeats: int,
                      sync: Callable[[], None]) -> float:
-    """One collective's median time, its output allocated inside the timed call as autosp's ops
-    allocate theirs. On CPU a large fresh buffer is new pages, faulted in as the transfer writes
-    them: 2-3x a reused buffer's time for 4-32 MiB on gloo, and what a training step pays (a
-    GPU's caching allocator makes the two the same). In-place reductions write their input."""
     n = max(p, nbytes // 4 // p * p)
     x = torch.randn(n, device=device)
     if name == "all_to_all":
-        fn = lambda: dist.all_to_all_single(torch.empty_like(x), x, group=pg)  # noqa: E731
+        y = torch.empty_like(x)
+        fn = lambda: dist.all_to_all_single(y, x, group=pg)  # noqa: E731
     elif name == "all_gather":
-        fn = lambda: dist.all_gather_into_tensor(torch.empty(n * p, device=device), x, group=pg)  # noqa: E731
+        parts = [torch.empty_like(x) for _ in range(p)]
+        fn = lambda: dist.all_gather(parts, x, group=pg)  # noqa: E731
     elif name == "reduce_scatter":
         if device.type == "cuda":
-            fn = lambda: dist.reduce_scatter_tensor(torch.empty(n // p, device=device), x, group=pg)  # noqa: E731
+            out = torch.empty(n // p, device=device)
+            fn = lambda: dist.reduce_scatter_tensor(out, x, group=pg)  # noqa: E731
         else:                                      # gloo: what autosp runs there (all-reduce)
             fn = lambda: dist.all_reduce(x, group=pg)  # noqa: E731
     elif name == "all_reduce":
@@ -292,9 +291,9 @@ def _time_collective(name: str, nbytes: int, p: int, pg: Any, device: torch.devi
     else:
         r = dist.get_rank(pg) if pg is not None else dist.get_rank()
         peer = lambda i: dist.get_global_rank(pg, i) if pg is not None else i  # noqa: E731
+        recv = torch.empty_like(x)
 
         def fn() -> None:
-            recv = torch.empty_like(x)
             ops = [dist.P2POp(dist.isend, x, peer((r + 1) % p), pg), dist.P2POp(dist.irecv, recv, peer((r - 1) % p), pg)]
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
