@@ -16,11 +16,17 @@ causal work and the others wait for it (the zigzag rows balance it). Ratios are 
 strategy's blocking form. Next to them: the cost model's prediction of both (profile ``cpu-gloo``,
 with its measured concurrency slowdowns), and the planner's choice within each family. Losses of
 all configurations must agree (the same model and batch), checked before printing.
+
+A second table splits the Ulysses forms' waits with the all-to-alls' timeline
+(``autosp.strategies.collectives.TIMELINE``): the part a rank spent before the last rank had
+issued the exchange (its peers' lag: load imbalance and scheduling on shared cores, which no
+schedule hides) and the part after (the transfer still in flight, which overlap can hide).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from autosp.tools.launch import interleaved_times, spawn_gloo
 
@@ -35,11 +41,13 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
     import torch.distributed as dist
 
     import autosp
+    from autosp.strategies import collectives
     from autosp.tools.validation import tiny_model
 
     torch.set_num_threads(1)
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
     models, waited, losses, calls = {}, {s: [] for s in specs}, {}, {}
+    split = {s: [] for s in specs}      # per step, per rank: (peers' lag, transfer) in the all-to-alls
     for spec in specs:
         torch._dynamo.reset()
         strategy, _, layout = spec.partition("@")
@@ -47,6 +55,7 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
 
     def step(spec: str) -> None:
         sp = models[spec]
+        collectives.TIMELINE = []
         loss = sp(input_ids=ids, labels=ids).loss
         loss.backward()
         for p in sp.parameters():
@@ -58,17 +67,33 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         waited[spec].append(every)
+        timelines = [None] * dist.get_world_size()
+        dist.all_gather_object(timelines, collectives.TIMELINE)
+        collectives.TIMELINE = None
+        split[spec].append(collectives.split_waits(timelines))
         calls[spec] = issued.get("all_to_all", {}).get("calls", 0)
 
     times = interleaved_times(specs, step, repeats, dist.barrier)
     waited = {spec: w[-repeats:] for spec, w in waited.items()}     # the timed steps'
+    split = {spec: w[-repeats:] for spec, w in split.items()}
     # per step: the rank that waited most, and the one that waited least (the busiest: its waits
     # lie on the step's critical path; a less loaded rank's include waiting for it)
     return [dict(spec=spec, time=statistics.median(times[spec]),
                  exposed=statistics.median(max(w) for w in waited[spec]),
                  critical=statistics.median(min(w) for w in waited[spec]),
-                 loss=losses[spec], calls=calls[spec])
+                 loss=losses[spec], calls=calls[spec], split=_split_medians(split[spec]))
             for spec in specs]
+
+
+def _split_medians(steps: list[list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """Medians over steps of (peers' lag, transfer) of the all-to-alls' most- and least-waiting rank."""
+    import statistics
+
+    def pick(which: Callable) -> tuple[float, float]:
+        chosen = [which(ranks, key=sum) for ranks in steps]
+        return (statistics.median(c[0] for c in chosen), statistics.median(c[1] for c in chosen))
+
+    return {"most": pick(max), "least": pick(min)}
 
 
 def predicted(world: int, seq_len: int, specs: list[str]) -> tuple[dict[str, tuple[float, float]], str]:
@@ -125,6 +150,13 @@ def main() -> None:
             print(f"| {world} | {r['spec']} | {r['time']:.3f} | {r['exposed']:.3f} | "
                   f"{ratio(r['exposed'], base['exposed'])} | {r['critical']:.3f} | {ratio(r['critical'], base['critical'])} "
                   f"| {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} |")
+        print(f"\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | least-waiting rank: peers' "
+              "lag / transfer (s) | predicted exposed (s) |\n|---|---|---|---|---|")
+        for r in rows:
+            if r["spec"].startswith("ulysses"):
+                (ml, mt), (ll, lt) = r["split"]["most"], r["split"]["least"]
+                print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ll:.3f} / {lt:.3f} | {pred[r['spec']][1]:.3f} |")
+        print()
         for family, pick in chosen.items():
             measured = [r for r in rows if r["spec"].split("@")[0].split(":")[0] == family and "@" not in r["spec"]]
             if not measured:

@@ -48,6 +48,33 @@ def tally(kind: str, group_name: str, *sent: Tensor) -> None:
     entry[1] += sum(t.numel() * t.element_size() for t in sent)
 
 
+# Opt-in (a benchmark sets a list): each SP all-to-all, as it completes, appends (issued, waited
+# from, done) in perf_counter seconds, a clock every process on a machine shares. Ranks run the
+# same collectives in the same order, so entry i is the same exchange on every rank: whether a
+# rank waited for its peers to issue it or for the transfer itself (:func:`split_waits`).
+TIMELINE: list[tuple[float, float, float]] | None = None
+
+
+def _timeline(issued: float, waited_from: float) -> None:
+    if TIMELINE is not None:
+        TIMELINE.append((issued, waited_from, time.perf_counter()))
+
+
+def split_waits(every: list[list[tuple[float, float, float]]]) -> list[tuple[float, float]]:
+    """Per rank, from every rank's :data:`TIMELINE`: (seconds it waited before the last rank had
+    issued the exchange, seconds it waited after). The first is the peers' lag (load imbalance,
+    scheduling), which no schedule can hide; the second is the transfer left in flight."""
+    out = []
+    for mine in every:
+        lag = transfer = 0.0
+        for i, (_, start, done) in enumerate(mine):
+            last = max(rank[i][0] for rank in every)
+            lag += max(0.0, min(done, last) - start)
+            transfer += max(0.0, done - max(start, last))
+        out.append((lag, transfer))
+    return out
+
+
 def blocked(kind: str, group_name: str, since: float) -> None:
     """Count the time since ``since`` as spent waiting on a ``kind`` collective."""
     TALLY[(group_name, kind)][2] += time.perf_counter() - since
@@ -85,6 +112,7 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group_name: str) ->
     t0 = time.perf_counter()
     dist.all_to_all_single(recv, send, group=pg)
     blocked("all_to_all", group_name, t0)
+    _timeline(t0, t0)
     del send                    # sent: freed before the result is assembled (one buffer less at the peak)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
@@ -111,9 +139,10 @@ all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 # ------------------------------------------------------------------ all_to_all, issue / complete
 
-# Receive buffers in flight, by data pointer: (the work to wait for, the send buffer it reads).
+# Receive buffers in flight, by data pointer: (the work to wait for, the send buffer it reads,
+# when it was issued).
 # Keyed by pointer, not identity: a compiled graph may hand the buffer on as a new tensor object.
-_IN_FLIGHT: dict[int, tuple[object, Tensor]] = {}
+_IN_FLIGHT: dict[int, tuple[object, Tensor, float]] = {}
 
 
 @torch.library.custom_op("autosp::all_to_all_issue", mutates_args=())
@@ -124,7 +153,8 @@ def all_to_all_issue(x: Tensor, scatter_dim: int, group_name: str) -> Tensor:
     send = torch.stack(x.chunk(dist.get_world_size(pg), dim=scatter_dim)).contiguous()
     tally("all_to_all", group_name, send)
     recv = torch.empty_like(send)
-    _IN_FLIGHT[recv.data_ptr()] = (dist.all_to_all_single(recv, send, group=pg, async_op=True), send)
+    _IN_FLIGHT[recv.data_ptr()] = (dist.all_to_all_single(recv, send, group=pg, async_op=True), send,
+                                   time.perf_counter())
     return recv
 
 
@@ -143,7 +173,9 @@ def all_to_all_complete(recv: Tensor, gather_dim: int, group_name: str) -> Tenso
     activation checkpointing) is only assembled."""
     pending = _IN_FLIGHT.pop(recv.data_ptr(), None)
     if pending is not None:
+        t0 = time.perf_counter()
         wait_all([pending[0]], "all_to_all", group_name)
+        _timeline(pending[2], t0)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
