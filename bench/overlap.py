@@ -26,6 +26,8 @@ schedule hides) and the part after (the transfer still in flight, which overlap 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 from typing import Callable
 
 from autosp.tools.launch import interleaved_times, spawn_gloo
@@ -104,14 +106,19 @@ def predicted(world: int, seq_len: int, specs: list[str]) -> tuple[dict[str, tup
     from autosp.tools.validation import tiny_model
 
     prof = load_profile("cpu-gloo")
+    # The predicted waits alone: the same profile with no compute slowdown beside a transfer (the
+    # overlapped forms' "exposed" also counts the compute they slow down, which no wait shows).
+    waits_only = dataclasses.replace(prof, data=copy.deepcopy(prof.data))
+    waits_only.data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
     model = tiny_model()
     g = capture(model, seq_len=seq_len, batch_size=1, dtype="float32")
     out = {}
     for spec in specs:
         strategy, _, layout = spec.partition("@")
-        p = predict(g, prof, sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len,
-                    devices_per_node=world)       # every rank on this machine
-        out[spec] = (p.total_s, p.attention_exposed_s)
+        kw = dict(sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len,
+                  devices_per_node=world)       # every rank on this machine
+        p = predict(g, prof, **kw)
+        out[spec] = (p.total_s, p.attention_exposed_s, predict(g, waits_only, **kw).attention_exposed_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
         best = plan(None, graph=g, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
@@ -145,17 +152,20 @@ def main() -> None:
         pred, chosen = predicted(world, args.seq_len, specs)
         by_spec = {r["spec"]: r for r in rows}
         for r in rows:
-            pt, pe = pred[r["spec"]]
+            pt, pe, _ = pred[r["spec"]]
             base = by_spec.get(blocking_form(r["spec"]), r)
             print(f"| {world} | {r['spec']} | {r['time']:.3f} | {r['exposed']:.3f} | "
                   f"{ratio(r['exposed'], base['exposed'])} | {r['critical']:.3f} | {ratio(r['critical'], base['critical'])} "
                   f"| {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} |")
-        print(f"\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | least-waiting rank: peers' "
-              "lag / transfer (s) | predicted exposed (s) |\n|---|---|---|---|---|")
+        print(f"\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | / blocking | least-waiting "
+              "rank: peers' lag / transfer (s) | / blocking | predicted waits (s) |\n|---|---|---|---|---|---|---|")
         for r in rows:
             if r["spec"].startswith("ulysses"):
                 (ml, mt), (ll, lt) = r["split"]["most"], r["split"]["least"]
-                print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ll:.3f} / {lt:.3f} | {pred[r['spec']][1]:.3f} |")
+                base = by_spec.get("ulysses", r)["split"]          # the blocking form, where measured
+                bt, blt = base["most"][1], base["least"][1]
+                print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ratio(mt, bt)} | {ll:.3f} / {lt:.3f} | "
+                      f"{ratio(lt, blt)} | {pred[r['spec']][2]:.3f} |")
         print()
         for family, pick in chosen.items():
             measured = [r for r in rows if r["spec"].split("@")[0].split(":")[0] == family and "@" not in r["spec"]]
