@@ -356,7 +356,8 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
     out["with_labels_err"] = _rel(with_labels[:, : hi - lo], full[:, lo:hi])
     no_labels = autosp.compile(copy.deepcopy(ref), strategy="ulysses")(input_ids=ids).logits
     out["no_labels_len"], out["no_labels_err"] = no_labels.shape[1], _rel(no_labels, full)
-    gathered = autosp.compile(copy.deepcopy(ref), strategy="ulysses", gather_outputs=True)(input_ids=ids, labels=labels).logits
+    gathered = autosp.compile(copy.deepcopy(ref), strategy="ulysses", gather_outputs=True)
+    gathered = gathered(input_ids=ids, labels=labels).logits
     out["gathered_len"], out["gathered_err"] = gathered.shape[1], _rel(gathered, full)
     out["local_len"] = local_len
     return out

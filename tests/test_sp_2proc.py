@@ -96,7 +96,8 @@ def test_overlap_false_runs_the_plain_form(pool):
 
 def test_uneven_ignored_labels_and_odd_length(pool):
     # 33 tokens on 2 ranks: padded to 34; most ignored labels sit on rank 0's half.
-    check_exact(run_ok(pool, "train_compare", kind="llama", strategy="ulysses", seq_len=33, uneven=True), ["ulysses"] * 2)
+    res = run_ok(pool, "train_compare", kind="llama", strategy="ulysses", seq_len=33, uneven=True)
+    check_exact(res, ["ulysses"] * 2)
 
 
 def test_eager_attention_is_refused_by_name(pool):
