@@ -177,10 +177,15 @@ def test_zero_3_by_node_shards_inside_each_pair_and_sums_across_pairs(pool):
         assert abs(r["state_bytes"] / (r["one_process_state_bytes"] / 2) - 1) < 0.10, r
         colls = r["report"]["collectives"]
         # per unit: one gather inside the node (this rank sends its half-of-a-node shard), one
-        # reduce-scatter inside it, one all-reduce of the reduced shard across the nodes
-        assert colls["param_all_gather"]["calls"] == colls["grad_reduce_scatter"]["calls"] == 4, colls
+        # reduce-scatter inside it, one all-reduce of the reduced shard across the nodes. Through
+        # AOTAutograd ($AUTOSP_COMPILER=aot_eager) the backward gathers every unit but the
+        # embedding again (tagged for recompute, as the 2-rank ZeRO-3 test pins).
+        again = 0 if r["report"]["compiler"] == "eager" else 3
+        assert r["report"]["param_gathers"] == 4, r["report"]
+        assert colls["param_all_gather"]["calls"] == 4 + again and colls["grad_reduce_scatter"]["calls"] == 4, colls
         assert colls["grad_replica_all_reduce"]["calls"] == 4, colls
-        assert colls["param_all_gather"]["bytes"] * 2 == r["param_elements"] * 4, colls
+        sent, half = colls["param_all_gather"]["bytes"], r["param_elements"] * 4 // 2
+        assert (sent == half) if not again else (half < sent < 2 * half), colls
     assert len({r["losses"][-1][1] for r in res}) == 1
 
 
