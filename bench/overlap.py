@@ -157,7 +157,7 @@ def main() -> None:
             print(f"| {world} | {r['spec']} | {r['time']:.3f} | {r['exposed']:.3f} | "
                   f"{ratio(r['exposed'], base['exposed'])} | {r['critical']:.3f} | {ratio(r['critical'], base['critical'])} "
                   f"| {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} |")
-        print(f"\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | / blocking | least-waiting "
+        print("\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | / blocking | least-waiting "
               "rank: peers' lag / transfer (s) | / blocking | predicted waits (s) |\n|---|---|---|---|---|---|---|")
         for r in rows:
             if r["spec"].startswith("ulysses"):

@@ -643,9 +643,8 @@ def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
     """Two micro-batches per step on a 2 x 2 mesh: under no_sync then one reduction, equal to one
     process on all four rows' batches; accumulating onto reduced gradients is refused."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    mesh = _mesh22()
     row = mesh.get_local_rank("dp")
     ref = build("llama")
     model = copy.deepcopy(ref)

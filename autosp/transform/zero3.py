@@ -110,9 +110,12 @@ def sum_over_replicas(shard: Tensor, group_name: str) -> Tensor:
 def gather_shards(locals_: list[Tensor], rows: list[int], group_name: str) -> list[Tensor]:
     """The whole parameters of one unit from every rank's dim-0 shards, in one all-gather."""
     world = dist.get_world_size(resolve_group(group_name))
-    per = [_rows_per_rank(r, world) for r in rows]
-    flat = torch.cat([_padded(t, p).reshape(-1) for t, p in zip(locals_, per)])
-    return _unpack(_gather_flat(flat, group_name), locals_, rows)
+    return _unpack(_gather_flat(flat_shards(locals_, rows, world), group_name), locals_, rows)
+
+
+def flat_shards(locals_: list[Tensor], rows: list[int], world: int) -> Tensor:
+    """This rank's shards of one unit, each padded to its even share of rows, as one flat buffer."""
+    return torch.cat([_padded(t, _rows_per_rank(r, world)).reshape(-1) for t, r in zip(locals_, rows)])
 
 
 def _unpack(full: Tensor, locals_: list[Tensor], rows: list[int]) -> list[Tensor]:

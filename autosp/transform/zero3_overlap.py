@@ -31,8 +31,8 @@ import torch.fx as fx
 from torch import Tensor
 
 from autosp.strategies.collectives import resolve_group, tally, wait_all
-from autosp.transform.zero3 import (GATHER_KIND, REDUCE_KIND, _padded, _row_numel, _rows_per_rank, _unpack,
-                                    flat_grads, gather_nodes, split_row, sum_over_replicas)
+from autosp.transform.zero3 import (GATHER_KIND, REDUCE_KIND, _row_numel, _rows_per_rank, _unpack, flat_grads,
+                                    flat_shards, gather_nodes, split_row, sum_over_replicas)
 
 # Buffers in flight by data pointer: (the work to wait for, what it sends or where it lands).
 _IN_FLIGHT: dict[int, tuple[Any, Tensor | None]] = {}
@@ -44,7 +44,7 @@ def gather_start(locals_: list[Tensor], rows: list[int], group_name: str) -> Ten
     background: only :func:`gather_finish` may read it."""
     pg = resolve_group(group_name)
     world = dist.get_world_size(pg)
-    flat = torch.cat([_padded(t, _rows_per_rank(r, world)).reshape(-1) for t, r in zip(locals_, rows)])
+    flat = flat_shards(locals_, rows, world)
     out = flat.new_empty((world, flat.numel()))
     tally(GATHER_KIND, group_name, flat)
     _IN_FLIGHT[out.data_ptr()] = (dist.all_gather_into_tensor(out.view(-1), flat, group=pg, async_op=True), flat)
