@@ -742,11 +742,11 @@ def dp_sp_errors() -> list[str]:
     return out
 
 
-def checkpoint_resume(path: str, zero_stage: int = 3, resume_on: tuple[int, int] = (2, 2),
-                      resume_stage: int | None = None, seq_len: int = 32) -> dict[str, Any]:
-    """Train 2 AdamW steps on a 2 x 2 mesh, save (DCP), train 2 more; then a fresh model and
-    optimizer, on ``resume_on`` (rows, SP) with ``resume_stage``, load and train the same 2 steps:
-    the losses, bit for bit. Also the full parameters after the save, for a plain load to check."""
+def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, int], ...] = ((2, 3),),
+                      seq_len: int = 32) -> dict[str, Any]:
+    """Train 2 AdamW steps on a 2 x 2 mesh, save (DCP), train 2 more; then for each (rows, ZeRO
+    stage) in ``resumes`` a fresh model and optimizer on that mesh load and train the same 2
+    steps: the losses. Also the full parameters after the save, for a plain load to check."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -776,12 +776,14 @@ def checkpoint_resume(path: str, zero_stage: int = 3, resume_on: tuple[int, int]
         return losses, (full, extra)
 
     first, (full, _) = run(2, zero_stage, range(4))
-    dist.barrier()
-    torch._dynamo.reset()
-    resumed, (_, extra) = run(resume_on[0], zero_stage if resume_stage is None else resume_stage, range(2, 4),
-                              load=True)
-    return {"uninterrupted": first[2:], "resumed": resumed, "extra": extra,
-            "full": {n: t.tolist() for n, t in full.items()} if dist.get_rank() == 0 else None}
+    out: dict[str, Any] = {"uninterrupted": first[2:], "resumed": {}, "extra": {},
+                           "full": {n: t.tolist() for n, t in full.items()} if dist.get_rank() == 0 else None}
+    for rows, stage in resumes:
+        dist.barrier()
+        torch._dynamo.reset()
+        key = f"{rows}x{4 // rows} stage {stage}"
+        out["resumed"][key], (_, out["extra"][key]) = run(rows, stage, range(2, 4), load=True)
+    return out
 
 
 def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:

@@ -22,6 +22,13 @@ def test_monotone_and_loglog_interpolation():
         warnings.simplefilter("always")
         assert t(1000 * 100) == pytest.approx(100.0 * 100)      # slope 1 continues
         assert any("beyond the largest measured" in str(x.message) for x in w)
+    # a sub-linear last segment (a fixed cost amortised) extrapolates along its chord: the next
+    # units cost the marginal time, 1 s per 100, not the log-log slope's falling per-unit time
+    sub = LogLogTable([(100, 2.0), (200, 3.0)])
+    assert sub(400) == pytest.approx(5.0)           # log-log slope 0.585 would give 4.5
+    # a super-linear one stops at linear scaling from the last point
+    sup = LogLogTable([(100, 1.0), (200, 4.0)])
+    assert sup(400) == pytest.approx(8.0)
 
 
 def test_alpha_beta_fit_recovers_latency_and_bandwidth():
@@ -185,6 +192,16 @@ def test_pipelined_transfers_hide_behind_the_groups_kernels():
     blocking = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 4.0, "fwd", 2)], workspace_bytes=0)
     assert transfer_times(Stub(), blocking, 8.0, 0.0) == (2.0, 2.0)       # unpipelined: all exposed
 
+    class Skewed(Stub):            # the ranks meet 0.25 s late at every wait after their own compute
+        def sync_skew(self, group_size):
+            return 0.25
+
+    # blocking: each collective waits for the ranks to meet; pipelined: the two waits in full only
+    # (the other groups' lag hides beside the kernels with their transfers)
+    assert transfer_times(Skewed(), blocking, 8.0, 0.0) == (2.5, 2.5)
+    comm, exposed = transfer_times(Skewed(), piped, t_fwd=8.0, t_bwd=0.0)
+    assert comm == 8.5 and exposed == pytest.approx(2 + 2 * 0.25 + 3 * 1 + 0.2 * 6)
+
 
 def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):
     # Llama-3-8B on 8 H100s: 16 GB of bf16 gradients, 25 MiB buckets all-reduced during the backward
@@ -227,3 +244,24 @@ def test_ranks_sharing_a_core_finish_with_the_busier_ones_work_spread():
     assert kernel_time(Unit(), cost, "float32", False, share=2.0) == 4.0
     zigzag = resolve("zigzag_ring").cost(shape, SPMesh(4, "zigzag"))     # balanced: 2 ranks per core, 2x
     assert kernel_time(Unit(), zigzag, "float32", False, share=2.0) == 2 * kernel_time(Unit(), zigzag, "float32", False)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+def test_allgather_kv_own_share_counts_the_busiest_ranks_own_blocks(layout):
+    # by definition: of the busiest rank's (query chunk, key chunk) blocks, the share on its own
+    # key chunks; a causal diagonal block is half a block
+    from autosp.strategies.allgather_kv import own_share
+    from autosp.strategies.base import AttentionShape, SPMesh
+    from autosp.strategies.layout import n_chunks, rank_chunks
+
+    for p in (2, 3, 4, 8):
+        for causal in (True, False):
+            shape = AttentionShape(heads=8, kv_heads=4, head_dim=32, batch=1, seq_len=4096 * p, elem_bytes=2,
+                                   causal=causal)
+
+            def blocks(mine, keys):
+                return sum(0.5 if causal and a == b else 1.0 for a in mine for b in keys if not causal or b <= a)
+            work = [(blocks(rank_chunks(layout, r, p), range(n_chunks(layout, p))),
+                     blocks(rank_chunks(layout, r, p), rank_chunks(layout, r, p))) for r in range(p)]
+            total, own = max(work)
+            assert own_share(shape, SPMesh(p, layout, 8)) == pytest.approx(own / total), (p, causal)

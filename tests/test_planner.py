@@ -133,7 +133,7 @@ def test_the_planner_plans_the_models_the_transform_runs(kind):
         grouped = [op for op in g.nodes(phase="fwd", kind=OpKind.MATMUL) if "grouped_mm" in op.target]
         assert len(grouped) == 4 and all(op.flops != 0 for op in grouped)
     p = plan(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g)
-    assert p.sp_degree == 2 and p.strategy() in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
+    assert p.sp_degree == 2 and p.strategy().split(":")[0] in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
 
 
 def test_auto_plan_takes_devices_per_node_from_the_launch(monkeypatch, tmp_path):
@@ -273,9 +273,10 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
     assert hsdp.zero_shard == 8 and flat.zero_shard == 0
     assert hsdp.predicted["total_s"] < flat.predicted["total_s"]
     assert hsdp.predicted["memory"]["parameters"] == pytest.approx(8 * flat.predicted["memory"]["parameters"])
-    big = plan(None, graph=capture("llama3-70b", seq_len=4096), **kw)
+    large = capture("llama3-70b", seq_len=4096)
+    big = plan(None, graph=large, **kw)
     assert big.zero_shard == 0
     with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, graph=capture("llama3-70b", seq_len=4096), zero_shard=8, **kw)
+        plan(None, graph=large, zero_shard=8, **kw)
     with pytest.raises(AutospError, match="full checkpointing is not applied yet"):
         plan(None, graph=small, checkpoints=("full",), **kw)

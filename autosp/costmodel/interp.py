@@ -6,9 +6,14 @@ takes the lower envelope: each time becomes the least time measured at that size
 any larger one, and a prediction never decreases with size. (The running maximum
 would let one slow sample at a small size lift every size above it.)
 Between points, time is interpolated
-linearly in log(size)-log(time) space; beyond the last point it extrapolates
-with the slope of the last segment (at most linear, the bandwidth-bound limit)
-and says so when it goes further than ``FAR`` times the table's range.
+linearly in log(size)-log(time) space. Beyond the last point it extrapolates along
+the last segment's chord, time = t_last + (size - x_last) * marginal time per unit, and
+never past linear scaling from the last point (the bandwidth- or compute-bound limit).
+A fixed cost amortised over a growing size is what makes a table sub-linear; it is
+amortised once, so the marginal cost is what the next unit costs. (Extrapolating the
+log-log slope instead kept the per-unit time falling: a 2-head and an 8-head attention
+table measured 4.1 ns per score at 8192 tokens each extrapolated 26% apart at 16384.)
+It says so when it goes further than ``FAR`` times the table's range.
 """
 
 from __future__ import annotations
@@ -60,11 +65,11 @@ class LogLogTable:
         if lx <= xs[0]:
             return math.exp(ys[0])                      # below the table: the smallest time (latency)
         if lx >= xs[-1]:
-            slope = min(1.0, max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])))
-            if size > FAR * self.points[-1][0]:
-                warnings.warn(f"{self.what}: size {size:.3g} is {size / self.points[-1][0]:.0f}x beyond the "
-                              f"largest measured ({self.points[-1][0]:.3g}); extrapolating", stacklevel=3)
-            return math.exp(ys[-1] + slope * (lx - xs[-1]))
+            (x0, t0), (x1, t1) = self.points[-2:]
+            if size > FAR * x1:
+                warnings.warn(f"{self.what}: size {size:.3g} is {size / x1:.0f}x beyond the "
+                              f"largest measured ({x1:.3g}); extrapolating", stacklevel=3)
+            return min(t1 * size / x1, t1 + (size - x1) * (t1 - t0) / (x1 - x0))
         i = bisect.bisect_right(xs, lx) - 1
         f = (lx - xs[i]) / (xs[i + 1] - xs[i])
         return math.exp(ys[i] + f * (ys[i + 1] - ys[i]))

@@ -16,10 +16,14 @@ Time (per device, one step):
             runs beside 1/n of its phase's attention kernel time:
                 exposed = count * max(0, t_transfer - t_kernel / n)
             A phase pipelined in k head groups (chunked Ulysses), with a = one group's
-            transfers (its inputs in and its output back) and K = the phase's kernel time:
-                exposed = a + (k - 1) * max(0, s_comm * a - K / k)
-            the first group's inputs and the last group's output wait in full; every other
-            group's moves beside one group's kernel. s_comm >= 1 is the profile's measured
+            transfers (its inputs in and its output back), K = the phase's kernel time and
+            skew = the profile's sync skew:
+                exposed = a + 2 * skew + (k - 1) * max(0, s_comm * a - K / k)
+            the first group's inputs and the last group's output wait in full, each wait once
+            for the ranks to meet; every other group's moves beside one group's kernel, and
+            so does the ranks' lag (issued before a kernel, waited for after it: the
+            timeline of ``bench/overlap.py`` shows the lag shrink with the transfer, 0.19 ->
+            0.06 s a step on 4 ranks at k = 2). s_comm >= 1 is the profile's measured
             slowdown of a collective while the device computes, and the kernels beside it
             slow by s_compute: + (s_compute - 1) * min((k - 1) / k * K, (k - 1) * s_comm * a).
             Transfers declared beside a share f of the phase's kernel time (all-gather-KV's
@@ -27,8 +31,9 @@ Time (per device, one step):
                 exposed = max(0, s_comm * a - f * K) + (s_compute - 1) * min(f * K, s_comm * a)
             The gradient reduction of ZeRO stages 0/1 moves in buckets beside the backward
             (:func:`_gradient_comm`). Every other transfer is exposed in full. Each attention
-            transfer's t includes the profile's sync skew (:meth:`HardwareProfile.sync_skew`):
-            the ranks reach it from their own compute, not together as the tables time it
+            transfer's t but the pipelined ones' includes the profile's sync skew
+            (:meth:`HardwareProfile.sync_skew`): the ranks reach it from their own compute,
+            not together as the tables time it
   total     compute + exposed
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
@@ -117,16 +122,19 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     docstring for the overlap formulas)."""
     comm = exposed = 0.0
     group: dict[tuple[str, int], float] = {}           # (phase, k) -> one pipelined group's transfer time
+    meet: dict[tuple[str, int], float] = {}            # (phase, k) -> the sync skew of one of its waits
     side: dict[tuple[str, float], float] = {}          # (phase, f) -> transfers beside that share of kernels
     for tr in cost.transfers:
-        # the ranks meet at every collective from their own compute, not together as the tables
-        # time it: the profile's sync skew, hidden like the rest where compute runs beside it
-        t = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter) + profile.sync_skew(tr.group)
+        table = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
         if tr.pipeline:
-            comm += tr.pipeline * tr.count * t
-            group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * t
+            comm += tr.pipeline * tr.count * table
+            group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * table
+            meet[(tr.phase, tr.pipeline)] = profile.sync_skew(tr.group)
             continue
+        # the ranks meet at every collective from their own compute, not together as the tables
+        # time it: the profile's sync skew, hidden like the rest where compute runs beside it
+        t = table + profile.sync_skew(tr.group)
         if tr.beside:
             comm += tr.count * t
             side[(tr.phase, tr.beside)] = side.get((tr.phase, tr.beside), 0.0) + tr.count * t
@@ -136,7 +144,8 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     s_comm, s_compute = profile.concurrency()
     for (phase, k), a in group.items():
         kernel = t_fwd if phase == "fwd" else t_bwd
-        exposed += a + (k - 1) * max(0.0, s_comm * a - kernel / k)
+        comm += 2 * meet[(phase, k)]
+        exposed += a + 2 * meet[(phase, k)] + (k - 1) * max(0.0, s_comm * a - kernel / k)
         exposed += (s_compute - 1) * min((k - 1) / k * kernel, (k - 1) * s_comm * a)
     for (phase, f), a in side.items():
         hidden_by = f * (t_fwd if phase == "fwd" else t_bwd)

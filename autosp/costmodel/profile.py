@@ -91,9 +91,10 @@ class HardwareProfile:
             if not tables:
                 raise AutospError(f"profile {self.path} has no key 'compute.{kind}.{dtype}'")
             dtype = "bfloat16" if "bfloat16" in tables else next(iter(tables))
-        rows = tables[dtype]
-        pts = [(_row_flops(kind, r), r["seconds"]) for r in rows]
-        return self._table(f"compute.{kind}.{dtype}", pts)
+        key = f"compute.{kind}.{dtype}"
+        if key in self._tables:         # the planner looks tables up hundreds of thousands of times
+            return self._tables[key]
+        return self._table(key, [(_row_flops(kind, r), r["seconds"]) for r in tables[dtype]])
 
     def matmul_time(self, flops: float, dtype: str) -> float:
         return self._dtype_table("matmul", dtype)(flops) if flops > 0 else 0.0
