@@ -55,35 +55,12 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> 
     while an attention op runs), with sizes evaluated at ``tokens`` per rank; ``phases`` is filled
     with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions change
     differently."""
-    g = graph.graph
-    order = list(g.nodes)
-    ops = {n: graph.op(n) for n in order}
-    idx = {n: i for i, n in enumerate(order)}
-    base: dict[str, str] = {}
-    size: dict[str, float] = {}
-    for n in order:
-        preds = [p for p in g.predecessors(n) if ops[p].holds_memory]
-        if ops[n].kind == OpKind.VIEW and preds:
-            base[n] = base.get(preds[0], preds[0])
-        else:
-            base[n] = n
-            size[n] = evaluate(ops[n].bytes_written, tokens)
-    last = {b: idx[b] for b in size}
+    if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
+        graph.memo["liveness"] = _lifetimes(graph)
+    order, ops, base, last, frees = graph.memo["liveness"]
+    size = {b: evaluate(ops[b].bytes_written, tokens) for b in last}
     end = len(order)
-    for n in order:
-        if not ops[n].holds_memory:
-            continue
-        succ = list(g.successors(n))
-        b = base[n]
-        if not succ and ops[n].phase == "bwd":
-            last[b] = end                                      # a gradient: kept
-        for u in succ:
-            if ops[u].holds_memory:
-                last[b] = max(last[b], idx[u])
-    grads = sum(size.get(b, 0.0) for b, i in last.items() if i == end)
-    frees: dict[int, list[str]] = {}
-    for b, i in last.items():
-        frees.setdefault(i, []).append(b)
+    grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0
     curve = []
     for i, n in enumerate(order):
@@ -98,6 +75,35 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> 
     if phases is not None:
         phases.update(_phases(graph, order, ops, curve))
     return peak, grads, at_attention
+
+
+def _lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str, int], dict[int, list[str]]]:
+    """The schedule's order, its ops, each node's buffer (a view's is its base's), each buffer's
+    last use (``len(order)``: a gradient, kept) and the buffers freed after each position."""
+    g = graph.graph
+    order = list(g.nodes)
+    ops = {n: graph.op(n) for n in order}
+    idx = {n: i for i, n in enumerate(order)}
+    base: dict[str, str] = {}
+    for n in order:
+        preds = [p for p in g.predecessors(n) if ops[p].holds_memory]
+        base[n] = base.get(preds[0], preds[0]) if ops[n].kind == OpKind.VIEW and preds else n
+    last = {n: idx[n] for n in order if base[n] == n}
+    end = len(order)
+    for n in order:
+        if not ops[n].holds_memory:
+            continue
+        succ = list(g.successors(n))
+        b = base[n]
+        if not succ and ops[n].phase == "bwd":
+            last[b] = end                                      # a gradient: kept
+        for u in succ:
+            if ops[u].holds_memory:
+                last[b] = max(last[b], idx[u])
+    frees: dict[int, list[str]] = {}
+    for b, i in last.items():
+        frees.setdefault(i, []).append(b)
+    return order, ops, base, last, frees
 
 
 def _phases(graph: OpGraph, order: list[str], ops: dict, curve: list[float]) -> dict[str, Any]:

@@ -108,6 +108,9 @@ class OpGraph:
     captured_layers: int
     notes: list[str] = field(default_factory=list)
     attention_dropout: bool = False    # traced without it (it hides the fused op); the strategies must take it
+    # What the planner derives from the captured graph again and again (its symbolic sums, the
+    # schedule's liveness structure); the graph is never changed once captured.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # -- node selection -------------------------------------------------------------------
     def op(self, name: str) -> OpNode:
@@ -115,8 +118,9 @@ class OpGraph:
 
     def nodes(self, *, phase: str | None = None, kind: OpKind | None = None,
               layer: int | None | str = "any") -> Iterator[OpNode]:
-        for _, data in self.graph.nodes(data=True):
-            a: OpNode = data["op"]
+        if "ops" not in self.memo:
+            self.memo["ops"] = [data["op"] for _, data in self.graph.nodes(data=True)]
+        for a in self.memo["ops"]:
             if phase is not None and a.phase != phase:
                 continue
             if kind is not None and a.kind != kind:
@@ -143,10 +147,13 @@ class OpGraph:
     # -- symbolic sums ---------------------------------------------------------------------
     def block_sum(self, block: int | None, fld: str, phase: str | None = None) -> Any:
         """Symbolic sum of a size field over one captured block (``None``: outside all blocks)."""
-        total = sympy.Integer(0)
-        for a in self.nodes(phase=phase, layer=block):
-            total += getattr(a, fld)
-        return sympy.expand(total)
+        key = ("block_sum", block, fld, phase)
+        if key not in self.memo:
+            total = sympy.Integer(0)
+            for a in self.nodes(phase=phase, layer=block):
+                total += getattr(a, fld)
+            self.memo[key] = sympy.expand(total)
+        return self.memo[key]
 
     @property
     def nonlayer_params(self) -> int:

@@ -50,12 +50,13 @@ def own_share(shape: AttentionShape, mesh: SPMesh) -> float:
     n = n_chunks(mesh.layout, mesh.degree)
     work = []
     for r in range(mesh.degree):
-        m = len(rank_chunks(mesh.layout, r, mesh.degree))
+        mine = rank_chunks(mesh.layout, r, mesh.degree)
+        m = len(mine)
         if shape.causal:
             # chunk a sees the a chunks before it and half its own; among its own m chunks
             # each pair once and each diagonal half: m^2 / 2 (closed forms: the planner asks
             # this for thousands of ranks)
-            work.append((sum(a + 0.5 for a in rank_chunks(mesh.layout, r, mesh.degree)), m * m / 2))
+            work.append((sum(a + 0.5 for a in mine), m * m / 2))
         else:
             work.append((float(m * n), float(m * m)))
     total, own = max(work)
