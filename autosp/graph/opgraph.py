@@ -110,7 +110,7 @@ class OpGraph:
     attention_dropout: bool = False    # traced without it (it hides the fused op); the strategies must take it
     # What the planner derives from the captured graph again and again (its symbolic sums, the
     # schedule's liveness structure); the graph is never changed once captured.
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # a copy starts empty
 
     # -- node selection -------------------------------------------------------------------
     def op(self, name: str) -> OpNode:
