@@ -78,12 +78,15 @@ def test_a_budget_stops_every_rank_at_the_same_point_and_only_sections_are_re_me
 def test_the_timeline_splits_each_wait_into_peers_lag_and_transfer():
     """bench/overlap.py's split: blocking, rank 0 enters at 0 and rank 1 at 3, both leave at 5;
     issued at 0 and 5, rank 0 waits 4-6 for an in-flight exchange and rank 1 5-6."""
+    from autosp.errors import AutospError
     from autosp.strategies.collectives import split_waits
 
     assert split_waits([[(0.0, 0.0, 5.0)], [(3.0, 3.0, 5.0)]]) == [(3.0, 2.0), (0.0, 2.0)]
     assert split_waits([[(0.0, 4.0, 6.0)], [(5.0, 5.0, 6.0)]]) == [(1.0, 1.0), (0.0, 1.0)]
     assert split_waits([[(0.0, 1.0, 2.0), (2.0, 2.0, 3.0)], [(0.5, 1.5, 2.0), (2.5, 2.5, 3.0)]]) == \
         [(0.5, 1.5), (0.0, 1.0)]
+    with pytest.raises(AutospError, match="timelines hold \\[1, 2\\] exchanges"):
+        split_waits([[(0.0, 0.0, 1.0)], [(0.0, 0.0, 1.0), (1.0, 1.0, 2.0)]])
 
 
 def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_path):

@@ -71,7 +71,7 @@ class HardwareProfile:
     memory_bytes: float = 0.0
     devices_per_node: int = 1
     op_overhead_s: float = 0.0
-    _tables: dict = field(default_factory=dict, repr=False)
+    _tables: dict = field(default_factory=dict, init=False, repr=False)    # a copy (other data) starts empty
 
     @property
     def source(self) -> dict:

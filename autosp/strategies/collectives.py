@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from autosp.errors import AutospError
+
 
 # Collectives issued by this process, by (group name, kind): [calls, bytes this rank sent,
 # seconds the calling thread was blocked waiting for them]. Always on (one dict update per
@@ -64,11 +66,14 @@ def split_waits(every: list[list[tuple[float, float, float]]]) -> list[tuple[flo
     """Per rank, from every rank's :data:`TIMELINE`: (seconds it waited before the last rank had
     issued the exchange, seconds it waited after). The first is the peers' lag (load imbalance,
     scheduling), which no schedule can hide; the second is the transfer left in flight."""
+    if len({len(mine) for mine in every}) > 1:
+        raise AutospError(f"the ranks' timelines hold {[len(m) for m in every]} exchanges; every rank must "
+                          "record the same collectives (set TIMELINE on every rank before the step)")
+    last_issued = [max(issued) for issued in zip(*[[e[0] for e in mine] for mine in every])]
     out = []
     for mine in every:
         lag = transfer = 0.0
-        for i, (_, start, done) in enumerate(mine):
-            last = max(rank[i][0] for rank in every)
+        for (_, start, done), last in zip(mine, last_issued):
             lag += max(0.0, min(done, last) - start)
             transfer += max(0.0, done - max(start, last))
         out.append((lag, transfer))
