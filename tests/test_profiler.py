@@ -34,6 +34,7 @@ def test_profile_on_two_ranks_writes_a_profile_the_planner_reads(tmp_path):
     assert all(list(c["intra"]) == ["2"] for c in doc["collectives"].values())
     assert doc["concurrency"]["comm_slowdown"] >= 1.0 and doc["source"]["where"].endswith("2 rank(s)")
     assert list(doc["sync_skew"]["seconds"]) == ["2"] and doc["sync_skew"]["seconds"]["2"] >= 0.0
+    assert doc["threads_per_device"] == 1                  # a CPU profile: its head counts are pooled
     prof = load_profile(str(out))
     g = capture(ModelSource("heldout-a", hf_config=held_out_config("heldout-a")), seq_len=1024, dtype="float32")
     p = predict(g, prof, sp=2, strategy="ulysses", devices_per_node=2)
@@ -50,6 +51,7 @@ def test_a_budget_stops_every_rank_at_the_same_point_and_only_sections_are_re_me
     out = tmp_path / "cpu.json"
     before = json.loads(json.dumps(load_profile("cpu-gloo").data))
     before["sync_skew"] = {"seconds": {"7": 1.0}, "how": "stale"}
+    del before["threads_per_device"]                       # a profile from before the key: compute brings it
     out.write_text(json.dumps(before))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "autosp.cli", "profile", "--out", str(out), "--quick", "--budget", "0.01",
@@ -61,6 +63,7 @@ def test_a_budget_stops_every_rank_at_the_same_point_and_only_sections_are_re_me
     assert measured < 6 + 8                # cut short: fewer points than the quick grid's
     assert sum(len(c["intra"].get("2", [])) for c in after["collectives"].values()) < 5 * 6
     assert list(after["sync_skew"]["seconds"]) == ["2"] and after["sync_skew"]["how"] != "stale"
+    assert after["threads_per_device"] == 1
     for key in ("concurrency", "memory_bytes"):
         assert after[key] == before[key], key
     assert after["source"]["updated"][-1].startswith("collectives, compute, sync_skew: ") and \
@@ -151,6 +154,29 @@ def test_one_measured_head_dim_scales_linearly(tmp_path):
     prof = load_profile(str(path))
     t32 = prof.attention_call_time(8, 2048, 2048, 32, True, "float32")
     assert prof.attention_call_time(8, 2048, 2048, 64, True, "float32") == pytest.approx(2 * t32, rel=1e-9)
+
+
+def test_a_one_thread_profile_pools_its_head_counts_and_others_take_the_nearest(tmp_path):
+    """Rows at 2 heads 10% dearer per head than at 8: with one thread per device (CPU) a call's
+    heads run one after another, so both counts measure the same per-head time and their mean
+    prices every call; without the key (a GPU profile) the nearest count decides."""
+    doc = _attention_profile((32,))
+    for r in doc["compute"]["attention"]["float32"] + doc["compute"]["attention_backward"]["float32"]:
+        if r["heads"] == 2:
+            r["seconds"] *= 1.1
+    per_head = 2048 * 2048 / 2 * (2e-9 + 1e-10 * 32)
+    (tmp_path / "cpu.json").write_text(json.dumps(doc))
+    del doc["threads_per_device"]
+    (tmp_path / "gpu.json").write_text(json.dumps(doc))
+    cpu, gpu = (load_profile(str(tmp_path / f"{n}.json")) for n in ("cpu", "gpu"))
+    for heads in (1, 2, 4, 8, 16):
+        assert cpu.attention_call_time(heads, 2048, 2048, 32, True, "float32") == \
+            pytest.approx(heads * per_head * 1.05, rel=1e-9)
+        assert cpu.attention_call_time(heads, 2048, 2048, 32, True, "float32", backward=True) == \
+            pytest.approx(2 * heads * per_head * 1.05, rel=1e-9)
+    assert gpu.attention_call_time(2, 2048, 2048, 32, True, "float32") == pytest.approx(2 * per_head * 1.1, rel=1e-9)
+    assert gpu.attention_call_time(8, 2048, 2048, 32, True, "float32") == pytest.approx(8 * per_head, rel=1e-9)
+    assert load_profile("cpu-gloo").data["threads_per_device"] == 1
 
 
 def _model_dims(cfg) -> set[int]:

@@ -111,13 +111,19 @@ class HardwareProfile:
                             dtype: str, backward: bool = False) -> float:
         """One fused attention call of this shape (batch folded into ``heads``).
 
-        Tables with shaped rows are looked up at the nearest measured head count and
-        interpolated in the attended area (q_len x kv_len, halved when causal), scaled by
-        heads: kernels are not linear in heads on every device. Across head dims the time is
-        affine (a per-score part and a per-score-per-dim part): with rows at two or more head
-        dims it is interpolated (or extrapolated) linearly between the two nearest, with one
-        it scales with the head dim. Tables of FLOP-keyed rows (published profiles) fall back
-        to :meth:`attention_time`.
+        Tables with shaped rows are interpolated in the attended area (q_len x kv_len, halved
+        when causal) and scaled by heads from the nearest measured head count: kernels are not
+        linear in heads on every device (a GPU's few-head call leaves SMs idle). A profile
+        measured with one thread per device (``threads_per_device == 1``: every CPU
+        profile) runs a call's heads one after another, so its head counts measure one
+        per-head time, and their mean is taken: rows timed minutes apart differ by drift (the
+        shipped cpu-gloo profile: 2 heads 11% dearer per head than 8 at head dim 96, where a
+        re-measurement side by side found them within 5%), and the nearest row alone would
+        decide a chunked schedule's price by that noise. Across head dims the time is affine
+        (a per-score part and a per-score-per-dim part): with rows at two or more head dims it
+        is interpolated (or extrapolated) linearly between the two nearest, with one it scales
+        with the head dim. Tables of FLOP-keyed rows (published profiles) fall back to
+        :meth:`attention_time`.
         """
         kind = "attention_backward" if backward and self.data["compute"].get("attention_backward") else "attention"
         tables = self.data["compute"][kind]
@@ -130,8 +136,16 @@ class HardwareProfile:
         import math
 
         target = max(heads, 1e-9)
-        h0 = min({r["batch"] * r["heads"] for r in shaped}, key=lambda h: abs(math.log(h / target)))
-        sel = [r for r in shaped if r["batch"] * r["heads"] == h0]
+        counts = sorted({r["batch"] * r["heads"] for r in shaped})
+        if self.data.get("threads_per_device") != 1:
+            counts = [min(counts, key=lambda h: abs(math.log(h / target)))]
+        per_head = [self._attention_per_head(kind, dtype, h0, [r for r in shaped if r["batch"] * r["heads"] == h0],
+                                             area, head_dim) for h0 in counts]
+        return sum(per_head) / len(per_head) * target
+
+    def _attention_per_head(self, kind: str, dtype: str, h0: int, sel: list[dict], area: float,
+                            head_dim: float) -> float:
+        """Seconds per head of a call at the rows' head count ``h0``, interpolated in area and head dim."""
         dims = sorted({r["head_dim"] for r in sel}, key=lambda d: (abs(d - head_dim), d))[:2]
 
         def at(d: int) -> float:
@@ -148,7 +162,7 @@ class HardwareProfile:
             (d1, t1), (d2, t2) = sorted((d, at(d)) for d in dims)
             affine = t1 + (t2 - t1) * (head_dim - d1) / (d2 - d1)
             t_h0 = max(affine, t1 * min(1.0, head_dim / d1) / 4)    # never below a quarter of linear
-        return t_h0 * target / h0
+        return t_h0 / h0
 
     def concurrency(self) -> tuple[float, float]:
         """(collective slowdown, compute slowdown) while both run at once, as measured

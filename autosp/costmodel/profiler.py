@@ -239,6 +239,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else _cpu_memory_per_core(),
         "devices_per_node": torch.cuda.device_count() if cuda else _cores(),
         "op_overhead_s": overhead,
+        **({} if cuda else {"threads_per_device": 1}),     # see HardwareProfile.attention_call_time
         "compute": compute,
         "collectives": collectives,
     }
@@ -258,7 +259,7 @@ def _merged(out: str, doc: dict, sections: set[str]) -> dict:
     kept as measured before; its source says what was re-measured and when."""
     with open(out) as f:
         old = json.load(f)
-    keys = {"compute": ("compute", "op_overhead_s"), "collectives": ("collectives",),
+    keys = {"compute": ("compute", "op_overhead_s", "threads_per_device"), "collectives": ("collectives",),
             "concurrency": ("concurrency",), "sync_skew": ("sync_skew",)}
     for section in sorted(sections):
         for key in keys[section]:
