@@ -17,10 +17,15 @@ strategy's blocking form. Next to them: the cost model's prediction of both (pro
 with its measured concurrency slowdowns), and the planner's choice within each family. Losses of
 all configurations must agree (the same model and batch), checked before printing.
 
-A second table splits the Ulysses forms' waits with the all-to-alls' timeline
+A second table splits every form's waits with the SP collectives' timeline
 (``autosp.strategies.collectives.TIMELINE``): the part a rank spent before the last rank had
 issued the exchange (its peers' lag: load imbalance and scheduling on shared cores, which no
-schedule hides) and the part after (the transfer still in flight, which overlap can hide).
+schedule hides) and the part after (the transfer still in flight, which overlap can hide). The
+transfer is predicted by the cost model with its sync skew and compute slowdown left out (the
+quantity the timeline's transfer measures), twice: with the shipped profile's collective tables,
+and with tables of the step's own collectives timed alone in the same processes right after the
+steps (:func:`time_alone`), which takes this machine's drift (20-50% between runs) out of the
+comparison and leaves the overlap formulas' error.
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import copy
 import dataclasses
 from typing import Callable
 
+from autosp.costmodel.profile import load_profile
 from autosp.tools.launch import interleaved_times, spawn_gloo
 
 
-def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
+def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str, int, int]]
+            ) -> tuple[list[dict], dict[tuple[str, int], float]]:
     """Every configuration compiled and warmed up first, then timed in interleaved rounds (one step of
     each per round), so that drift on a shared machine (and the first configuration's slower
-    warm-up of the allocator) falls on all of them alike."""
+    warm-up of the allocator) falls on all of them alike. Then each of ``sizes``' collectives alone,
+    in the same processes (:func:`time_alone`)."""
     import statistics
 
     import torch
@@ -80,48 +88,127 @@ def measure(seq_len: int, specs: list[str], repeats: int) -> list[dict]:
     split = {spec: w[-repeats:] for spec, w in split.items()}
     # per step: the rank that waited most, and the one that waited least (the busiest: its waits
     # lie on the step's critical path; a less loaded rank's include waiting for it)
-    return [dict(spec=spec, time=statistics.median(times[spec]),
+    rows = [dict(spec=spec, time=statistics.median(times[spec]),
                  exposed=statistics.median(max(w) for w in waited[spec]),
                  critical=statistics.median(min(w) for w in waited[spec]),
                  loss=losses[spec], calls=calls[spec], split=_split_medians(split[spec]))
             for spec in specs]
+    return rows, time_alone(sizes, repeats=9)
+
+
+def time_alone(sizes: list[tuple[str, int, int]], repeats: int) -> dict[tuple[str, int], float]:
+    """Seconds of each (collective, group, per-rank bytes) alone, issued as the strategies' ops
+    issue it (a fresh output each call; gloo's reduce-scatter is an all-reduce), the ranks
+    starting together after a barrier. Per call the least-waiting rank's time (the last to
+    arrive waits for the transfer only), median over calls: the table the step's transfers
+    would have if profiled now, on this machine as loaded as the steps found it."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    mine: dict[tuple[str, int], list[float]] = {}
+    for name, group, nbytes in sizes:
+        if group != world:
+            raise ValueError(f"a {name} over {group} of {world} ranks: the bench times whole-world collectives")
+        x = torch.randn(max(world, nbytes // 4 // world * world))
+        if name == "all_to_all":
+            fn = lambda: dist.all_to_all_single(torch.empty_like(x), x)  # noqa: E731
+        elif name == "all_gather":
+            fn = lambda: dist.all_gather([torch.empty_like(x) for _ in range(world)], x)  # noqa: E731
+        elif name in ("reduce_scatter", "all_reduce"):
+            fn = lambda: dist.all_reduce(x)  # noqa: E731
+        else:
+            raise ValueError(f"no timing for a {name} here")
+        took = []
+        for _ in range(repeats + 1):                # the first call warms up
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t0)
+        mine[(name, nbytes)] = took[1:]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {key: statistics.median(min(r[key][i] for r in every) for i in range(repeats)) for key in mine}
 
 
 def _split_medians(steps: list[list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
-    """Medians over steps of (peers' lag, transfer) of the all-to-alls' most- and least-waiting rank."""
+    """Medians over steps of (peers' lag, transfer) in the SP collectives: of the most- and the
+    least-waiting rank, and the mean over ranks."""
     import statistics
 
     def pick(which: Callable) -> tuple[float, float]:
-        chosen = [which(ranks, key=sum) for ranks in steps]
+        chosen = [which(ranks) for ranks in steps]
         return (statistics.median(c[0] for c in chosen), statistics.median(c[1] for c in chosen))
 
-    return {"most": pick(max), "least": pick(min)}
+    def mean(ranks: list[tuple[float, float]]) -> tuple[float, float]:
+        return (sum(r[0] for r in ranks) / len(ranks), sum(r[1] for r in ranks) / len(ranks))
+
+    return {"most": pick(lambda ranks: max(ranks, key=sum)), "least": pick(lambda ranks: min(ranks, key=sum)),
+            "mean": pick(mean)}
 
 
-def predicted(world: int, seq_len: int, specs: list[str]) -> tuple[dict[str, tuple[float, float]], str]:
+def transfer_sizes(graph, world: int, seq_len: int, specs: list[str]) -> list[tuple[str, int, int]]:
+    """(collective, group, per-rank bytes) of every transfer the specs' attention issues."""
+    from autosp.costmodel.predict import attention_shape
+    from autosp.strategies import SPMesh, required_layout, resolve
+
+    shape = attention_shape(graph.attention_nodes("fwd")[0], seq_len)
+    out = set()
+    for spec in specs:
+        strategy, _, layout = spec.partition("@")
+        strat = resolve(strategy)
+        mesh = SPMesh(world, layout or required_layout([strat]) or "contiguous", world)
+        out |= {(t.collective, t.group, int(t.nbytes)) for t in strat.cost(shape, mesh).transfers}
+    return sorted(out)
+
+
+def with_tables(prof, world: int, alone: dict[tuple[str, int], float]):
+    """``prof`` with its collectives over ``world`` ranks timed now (:func:`time_alone`), no sync
+    skew and no compute slowdown: what it predicts is the transfers' waits alone, the quantity
+    the timeline's "transfer" measures."""
+    data = copy.deepcopy(prof.data)
+    for (name, nbytes), seconds in alone.items():
+        rows = data["collectives"][name]["intra"].setdefault(str(world), [])
+        if rows and "now" not in rows[0]:
+            rows.clear()
+        rows.append({"bytes": nbytes, "seconds": seconds, "now": True})
+    for rows in (data["collectives"][n]["intra"][str(world)] for n in {n for n, _ in alone}):
+        rows.sort(key=lambda r: r["bytes"])
+    data["sync_skew"] = {"seconds": {}}
+    data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
+    return dataclasses.replace(prof, data=data)
+
+
+def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tuple[str, int], float]
+              ) -> tuple[dict[str, tuple[float, ...]], dict[str, str]]:
+    """Per spec: (step, exposed, transfer waits with the shipped tables, transfer waits with the
+    tables timed in the run); and the planner's choice within each family."""
     from autosp.costmodel.predict import predict
     from autosp.costmodel.profile import load_profile
-    from autosp.graph import capture
     from autosp.planner.search import plan
-    from autosp.tools.validation import tiny_model
 
     prof = load_profile("cpu-gloo")
-    # The predicted waits alone: the same profile with no compute slowdown beside a transfer (the
-    # overlapped forms' "exposed" also counts the compute they slow down, which no wait shows).
-    waits_only = dataclasses.replace(prof, data=copy.deepcopy(prof.data))
-    waits_only.data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
-    model = tiny_model()
-    g = capture(model, seq_len=seq_len, batch_size=1, dtype="float32")
+    # The transfers' waits alone: no sync skew (the timeline counts the peers' lag apart) and no
+    # compute slowdown beside a transfer (the overlapped forms' "exposed" counts the compute they
+    # slow down, which no wait shows).
+    shipped = dataclasses.replace(prof, data=copy.deepcopy(prof.data))
+    shipped.data["sync_skew"] = {"seconds": {}}
+    shipped.data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
+    now = with_tables(prof, world, alone)
     out = {}
     for spec in specs:
         strategy, _, layout = spec.partition("@")
         kw = dict(sp=world, strategy=strategy, layout=layout or None, seq_len=seq_len,
                   devices_per_node=world)       # every rank on this machine
-        p = predict(g, prof, **kw)
-        out[spec] = (p.total_s, p.attention_exposed_s, predict(g, waits_only, **kw).attention_exposed_s)
+        p = predict(graph, prof, **kw)
+        out[spec] = (p.total_s, p.attention_exposed_s, predict(graph, shipped, **kw).attention_exposed_s,
+                     predict(graph, now, **kw).attention_exposed_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
-        best = plan(None, graph=g, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
+        best = plan(None, graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
                     checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world)
         chosen[family] = best.layers[0]["strategy"]
     return out, chosen
@@ -146,26 +233,33 @@ def main() -> None:
     for world in args.ranks:
         specs = [("ulysses" if k == 1 else f"ulysses:c{k}") for k in args.chunks if 8 % (k * world) == 0]
         specs += args.specs
-        rows = spawn_gloo(measure, world, threads=1, seq_len=args.seq_len, specs=specs, repeats=args.repeats)
+        graph = tiny_graph(args.seq_len)
+        sizes = transfer_sizes(graph, world, args.seq_len, specs)
+        rows, alone = spawn_gloo(measure, world, threads=1, seq_len=args.seq_len, specs=specs,
+                                 repeats=args.repeats, sizes=sizes)
         losses = {round(r["loss"], 4) for r in rows}
         assert len(losses) == 1, f"configurations disagree on the loss: {rows}"
-        pred, chosen = predicted(world, args.seq_len, specs)
+        pred, chosen = predicted(graph, world, args.seq_len, specs, alone)
         by_spec = {r["spec"]: r for r in rows}
         for r in rows:
-            pt, pe, _ = pred[r["spec"]]
+            pt, pe, *_ = pred[r["spec"]]
             base = by_spec.get(blocking_form(r["spec"]), r)
             print(f"| {world} | {r['spec']} | {r['time']:.3f} | {r['exposed']:.3f} | "
                   f"{ratio(r['exposed'], base['exposed'])} | {r['critical']:.3f} | {ratio(r['critical'], base['critical'])} "
                   f"| {r['time'] / base['time']:.2f}x | {pt:.3f} | {pe:.3f} |")
-        print("\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | / blocking | least-waiting "
-              "rank: peers' lag / transfer (s) | / blocking | predicted waits (s) |\n|---|---|---|---|---|---|---|")
+        shipped = load_profile("cpu-gloo")
+        print(f"\n{world} ranks, the step's collectives alone now (ms) against the shipped table: " + ", ".join(
+            f"{name} {nbytes / 2**20:.1f} MiB {t * 1e3:.2f} vs {shipped.collective_time(name, world, nbytes) * 1e3:.2f}"
+            for (name, nbytes), t in sorted(alone.items())))
+        print("\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | least-waiting rank: peers' lag "
+              "/ transfer (s) | transfer, mean over ranks (s) | / blocking | predicted transfer, shipped tables (s) "
+              "| error | predicted transfer, tables timed now (s) | error |\n|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            if r["spec"].startswith("ulysses"):
-                (ml, mt), (ll, lt) = r["split"]["most"], r["split"]["least"]
-                base = by_spec.get("ulysses", r)["split"]          # the blocking form, where measured
-                bt, blt = base["most"][1], base["least"][1]
-                print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ratio(mt, bt)} | {ll:.3f} / {lt:.3f} | "
-                      f"{ratio(lt, blt)} | {pred[r['spec']][2]:.3f} |")
+            (ml, mt), (ll, lt), (_, mean) = r["split"]["most"], r["split"]["least"], r["split"]["mean"]
+            base = by_spec.get(blocking_form(r["spec"]), r)["split"]["mean"][1]
+            _, _, p_shipped, p_now = pred[r["spec"]]
+            print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ll:.3f} / {lt:.3f} | {mean:.3f} | "
+                  f"{ratio(mean, base)} | {p_shipped:.3f} | {error(p_shipped, mean)} | {p_now:.3f} | {error(p_now, mean)} |")
         print()
         for family, pick in chosen.items():
             measured = [r for r in rows if r["spec"].split("@")[0].split(":")[0] == family and "@" not in r["spec"]]
@@ -174,6 +268,21 @@ def main() -> None:
             best = min(measured, key=lambda r: r["time"])
             print(f"| {world} | planner's choice: {pick} | measured best: {best['spec']} "
                   f"({pred_gap(rows, pick, best):+.1%} step vs the best) | | | | | | | |")
+
+
+def tiny_graph(seq_len: int):
+    from autosp.graph import capture
+    from autosp.tools.validation import tiny_model
+
+    return capture(tiny_model(), seq_len=seq_len, batch_size=1, dtype="float32")
+
+
+def error(predicted: float, measured: float) -> str:
+    """Relative where the measured wait is at least 5 ms; below that (a transfer hidden whole)
+    the difference in ms, a ratio of two near-zero waits saying nothing."""
+    if measured >= 0.005:
+        return f"{predicted / measured - 1:+.0%}"
+    return f"{(predicted - measured) * 1e3:+.1f} ms"
 
 
 def ratio(a: float, b: float) -> str:

@@ -789,8 +789,10 @@ def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, 
 def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:
     """``train_compare`` under ``allgather_kv:overlap``, with the order of the overlapped kernel's
     steps recorded on this rank: when each collective starts and is waited for, and which
-    blocks (the own K/V chunks, or another rank's) attend in between."""
+    blocks (the own K/V chunks, or another rank's) attend in between; and the timeline the
+    overlap bench reads: per wait, when its collectives were issued and when the wait began."""
     from autosp.strategies import allgather_kv_kernel as kernel
+    from autosp.strategies import collectives
 
     events: list[str] = []
     saved = {n: getattr(kernel, n) for n in ("attend_forward", "attend_backward", "_gather_start",
@@ -807,13 +809,16 @@ def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:
     kernel.attend_backward = logged("attend_backward", lambda d, q, k, v, o, l, qc, kc, *_: "bwd " + own(qc, kc))
     kernel._gather_start = logged("_gather_start", "gather starts")
     kernel._reduce_scatter_start = logged("_reduce_scatter_start", "reduce-scatter starts")
-    kernel.wait_all = logged("wait_all", lambda works, kind, group: f"wait {kind}")
+    kernel.wait_all = logged("wait_all", lambda works, kind, group, *_: f"wait {kind}")
+    collectives.TIMELINE = timeline = []
     try:
         out = train_compare(strategy="allgather_kv:overlap", **kw)
     finally:
         for n, f in saved.items():
             setattr(kernel, n, f)
+        collectives.TIMELINE = None
     out["events"] = events
+    out["timeline"] = [(waited - issued, done - waited) for issued, waited, done in timeline]
     return out
 
 

@@ -148,6 +148,9 @@ def test_allgather_kv_overlapped_moves_kv_beside_the_own_block(pool, layout, com
         bwd = ["bwd other", "reduce-scatter starts", "reduce-scatter starts", "bwd own", "wait reduce_scatter"]
         step = fwd * 2 + bwd * 2
         assert r["events"] == step * steps, r["events"]
+        # the timeline has each wait (2 layers, forward and backward), issued before the own
+        # block's attention and waited for after it
+        assert len(r["timeline"]) == 4 * steps and all(before > 0 for before, _ in r["timeline"]), r["timeline"]
 
 
 MASKED = {"window": dict(kind="mistral", sliding_window=8),      # HF builds a sliding-window mask

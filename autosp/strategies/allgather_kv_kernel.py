@@ -25,6 +25,8 @@ zigzag, 2 of ``2P`` (see :meth:`AllGatherKV.cost`).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -59,11 +61,12 @@ def allgather_kv_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, a
                          causal: bool, scale: float, pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     own = chunks_of(all_chunks, r, p)
+    issued = time.perf_counter()
     ks, k_work = _gather_start(k, pg)
     vs, v_work = _gather_start(v, pg)
     acc = new_accumulator(q)
     attend_forward(q, k, v, own, own, causal, scale, acc, mask)           # while K/V move
-    wait_all([k_work, v_work], "all_gather", pg.group_name)
+    wait_all([k_work, v_work], "all_gather", pg.group_name, issued)
     for j in range(p):
         if j != r:
             attend_forward(q, ks[j], vs[j], own, chunks_of(all_chunks, j, p), causal, scale, acc, mask)
@@ -84,11 +87,12 @@ def allgather_kv_backward(dout: Tensor, q: Tensor, ks: Tensor, vs: Tensor, out: 
             attend_backward(dout, q, ks[j], vs[j], out, lse, own, chunks_of(all_chunks, j, p), causal, scale,
                             dq, dks[j], dvs[j], mask)
     # in the tensors' own dtype, as the unpipelined form reduces them
+    issued = time.perf_counter()
     dk_sum, k_work = _reduce_scatter_start(dks.to(ks.dtype), pg)
     dv_sum, v_work = _reduce_scatter_start(dvs.to(vs.dtype), pg)
     dk_own, dv_own = torch.zeros_like(dks[r]), torch.zeros_like(dvs[r])
     attend_backward(dout, q, ks[r], vs[r], out, lse, own, own, causal, scale, dq, dk_own, dv_own, mask)
-    wait_all([k_work, v_work], "reduce_scatter", pg.group_name)
+    wait_all([k_work, v_work], "reduce_scatter", pg.group_name, issued)
     return dq.to(q.dtype), (dk_sum + dk_own).to(ks.dtype), (dv_sum + dv_own).to(vs.dtype)
 
 

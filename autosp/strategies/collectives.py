@@ -50,10 +50,11 @@ def tally(kind: str, group_name: str, *sent: Tensor) -> None:
     entry[1] += sum(t.numel() * t.element_size() for t in sent)
 
 
-# Opt-in (a benchmark sets a list): each SP all-to-all, as it completes, appends (issued, waited
-# from, done) in perf_counter seconds, a clock every process on a machine shares. Ranks run the
-# same collectives in the same order, so entry i is the same exchange on every rank: whether a
-# rank waited for its peers to issue it or for the transfer itself (:func:`split_waits`).
+# Opt-in (a benchmark sets a list): each SP collective (all-to-all, all-gather, reduce-scatter),
+# as it completes, appends (issued, waited from, done) in perf_counter seconds, a
+# clock every process on a machine shares. Ranks run the same collectives in the same order, so
+# entry i is the same exchange on every rank: whether a rank waited for its peers to issue it or
+# for the transfer itself (:func:`split_waits`).
 TIMELINE: list[tuple[float, float, float]] | None = None
 
 
@@ -85,12 +86,15 @@ def blocked(kind: str, group_name: str, since: float) -> None:
     TALLY[(group_name, kind)][2] += time.perf_counter() - since
 
 
-def wait_all(works: list, kind: str, group_name: str) -> None:
-    """Wait for asynchronous ``works`` of a ``kind`` collective, counting the time blocked."""
+def wait_all(works: list, kind: str, group_name: str, issued: float | None = None) -> None:
+    """Wait for asynchronous ``works`` of a ``kind`` collective, counting the time blocked;
+    ``issued`` (when the first was started) puts the wait on the :data:`TIMELINE`."""
     t0 = time.perf_counter()
     for work in works:
         work.wait()
     blocked(kind, group_name, t0)
+    if issued is not None:
+        _timeline(issued, t0)
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -178,9 +182,7 @@ def all_to_all_complete(recv: Tensor, gather_dim: int, group_name: str) -> Tenso
     activation checkpointing) is only assembled."""
     pending = _IN_FLIGHT.pop(recv.data_ptr(), None)
     if pending is not None:
-        t0 = time.perf_counter()
-        wait_all([pending[0]], "all_to_all", group_name)
-        _timeline(pending[2], t0)
+        wait_all([pending[0]], "all_to_all", group_name, issued=pending[2])
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
@@ -251,6 +253,7 @@ def _gather(x: Tensor, dim: int, group_name: str) -> Tensor:
     t0 = time.perf_counter()
     dist.all_gather(parts, x.contiguous(), group=pg)
     blocked("all_gather", group_name, t0)
+    _timeline(t0, t0)
     return torch.cat(parts, dim=dim)
 
 
@@ -304,10 +307,13 @@ def reduce_scatter_sum(x: Tensor, dim: int, group_name: str) -> Tensor:
         out = torch.empty_like(parts[0])
         dist.reduce_scatter_tensor(out, parts, group=pg)
         blocked("reduce_scatter", group_name, t0)
+        _timeline(t0, t0)
         return out
     total = x.contiguous().clone()             # gloo has no reduce-scatter: all-reduce, keep ours
+    t0 = time.perf_counter()                   # the copy is compute, not the transfer
     dist.all_reduce(total, group=pg)
     blocked("reduce_scatter", group_name, t0)
+    _timeline(t0, t0)
     return total.narrow(dim, r * n, n).contiguous()
 
 
