@@ -199,9 +199,15 @@ def main() -> None:
     ap.add_argument("--capped", type=int, nargs="*", default=None,
                     help="indices into the memory-capped grid (default: all; none given: skip it)")
     ap.add_argument("--no-uncapped", action="store_true", help="only the memory-capped grid")
+    ap.add_argument("--picks", action="store_true",
+                    help="print the ILP's pick per configuration and stop (seconds; to re-read a recorded run)")
     args = ap.parse_args()
     grid = [] if args.no_uncapped else [g for i, g in enumerate(GRID) if not args.only or i in args.only]
     picks = {g: planned(*g) for g in grid}          # the ILP's own choice, measured with the rest
+    if args.picks:
+        for g, pick in picks.items():
+            print(f"ranks {g[0]}, seq {g[1]}, heads / KV {g[2]} / {g[3]}, hidden {g[4]}: {pick}")
+        return
     rows = []
     for world in sorted({g[0] for g in grid}):
         cases = []
