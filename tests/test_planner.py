@@ -243,7 +243,9 @@ def test_ulysses_is_planned_on_the_contiguous_layout():
     for mib in (200, 160):
         p = plan(None, graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32",
                  memory_limit=mib * 2**20)
-        assert p.layout == "contiguous" and {layer["strategy"] for layer in p.layers} == {"ulysses"}, (mib, p.layers)
+        # Ulysses, pipelined in head groups or not (the measured best at 16k on 2 ranks: 2 groups)
+        assert p.layout == "contiguous" and {layer["strategy"].split(":")[0] for layer in p.layers} == {"ulysses"}, \
+            (mib, p.layers)
     flat, zig = (predict(g, prof, sp=2, strategy="ulysses", layout=lay, seq_len=16384)
                  for lay in ("contiguous", "zigzag"))
     assert zig.total_s > flat.total_s and zig.memory["workspace"] > flat.memory["workspace"]
@@ -280,3 +282,30 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
         plan(None, graph=large, zero_shard=8, **kw)
     with pytest.raises(AutospError, match="full checkpointing is not applied yet"):
         plan(None, graph=small, checkpoints=("full",), **kw)
+
+
+def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behind_layers():
+    """ZeRO 3's gathers and reduce-scatters hide behind the layers' compute, so what lies outside
+    the layers depends on the strategy (longer kernels hide more). Llama-3-70B, 128k tokens, 64
+    H100s: the plan's step is `predict`'s for the strategy and layout it chose, and no strategy
+    `predict` prices lower was left out (the ILP once added the chosen strategy's layers to the
+    first strategy's DP exposure: 8.15 s planned for a 9.19 s Ulysses step)."""
+    from autosp.costmodel import load_profile, predict
+    from autosp.strategies import AttentionShape, SPMesh, candidates
+
+    g = capture("llama3-70b", seq_len=4096)
+    kw = dict(seq_len=131072, devices_per_node=8, zero_stage=3)
+    p = plan(None, graph=g, profile="h100-sxm", checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,),
+             sp_degrees=(64,), world_size=64, **kw)
+    (layer,) = p.layers
+    prof = load_profile("h100-sxm")
+    again = predict(g, prof, sp=64, strategy=layer["strategy"], layout=p.layout, dp=1, zero_shard=p.zero_shard, **kw)
+    assert p.predicted["total_s"] == pytest.approx(again.total_s, rel=1e-9)
+    assert p.predicted["exposed_comm_s"] == pytest.approx(again.exposed_comm_s, rel=1e-9)
+    assert layer["exposed_comm_s"] == pytest.approx(again.attention_exposed_s, rel=1e-9)     # SP's own
+    shape = AttentionShape(heads=64, kv_heads=8, head_dim=128, seq_len=131072, causal=True)
+    for layout in ("contiguous", "zigzag"):
+        for st in candidates(SPMesh(64, layout, 8), shape, None):
+            other = predict(g, prof, sp=64, strategy=st, layout=layout, dp=1, zero_shard=p.zero_shard, **kw)
+            fits = other.peak_bytes <= p.memory_limit_bytes * (1 - p.memory_margin)
+            assert not fits or other.total_s >= again.total_s * (1 - 1e-9), (st.spec, layout, other.total_s)

@@ -28,6 +28,12 @@ Objective
 where T0_g / M0_g are the time / memory outside the layers (embedding, head,
 loss, gradient reduction, parameters and optimizer states) and T_{g,c,o} /
 M_{g,c,o} the time / activation memory of all ``count_c`` layers of class c.
+What lies outside the layers depends on their strategy where DP/ZeRO communication hides
+behind their compute (longer kernels hide more), so T0_g is the first strategy s_0's and
+each option carries its class's share of the difference:
+  T_{g,c,o} = (count_c / L) (T_layers(s) + recompute(k) + T_out(s) - T_out(s_0))
+(L layers in all): a plan whose layers all take one strategy costs exactly what
+:func:`autosp.costmodel.predict.predict` says for it; mixed strategies mix it linearly.
 During one layer's backward the other layers hold what their options keep (M), and
 that layer its recomputed activations: P_{g,c,f} is the rest of the memory then, and
 E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its whole
@@ -59,6 +65,7 @@ class Option:
     time_s: float
     mem_bytes: float
     exposed_s: float = 0.0     # the part of time_s that is exposed communication (for reports)
+    sp_exposed_s: float = 0.0  # of it, the layers' own SP collectives (the rest: DP beside them)
     # phase -> bytes that one layer of this option holds during its own backward beyond mem_bytes / count
     own_bytes: dict[str, float] = field(default_factory=dict)
 

@@ -85,6 +85,13 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
+            # What lies outside the layers is not the same for every strategy: ZeRO/DP
+            # communication hides behind the layers' compute, so a strategy with longer kernels
+            # leaves less of it exposed. Each option carries its share of the difference from the
+            # first strategy's, so a plan whose layers all take one strategy costs exactly what
+            # `predict` says for it (mixed strategies: the layers' shares, linearly).
+            outside = {st: (p.total_s - layer_time[st], p.exposed_comm_s - p.attention_exposed_s)
+                       for st, p in ps.items()}
             # each strategy's workspace is its options' own: it exists in its layers' backward
             terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
                                first.phases["untraced"], 0.0, kl)
@@ -99,6 +106,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                 for st, p in ps.items():
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
+                    d_time, d_exposed = (a - b for a, b in zip(outside[st], outside[first.strategy]))
                     for k in checkpoints:
                         for chunks in mlp_chunks if tileable[fp] else (1,):
                             # A tiled MLP recomputes its forward in backward, unless the layer's
@@ -107,9 +115,10 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                             ours = strategy_saved(p.attention_saved[fp], k)
                             mine = own[(fp, k, chunks)]
                             opts.append(Option(key=(st, k, chunks),
-                                               time_s=share * (layer_time[st] + recompute[k] + again),
+                                               time_s=share * (layer_time[st] + recompute[k] + again + d_time),
                                                mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"]),
-                                               exposed_s=share * p.attention_exposed_s,
+                                               exposed_s=share * (p.attention_exposed_s + d_exposed),
+                                               sp_exposed_s=share * p.attention_exposed_s,
                                                own_bytes=first_layer_own(
                                                    {"mlp": mine["mlp"],
                                                     "rest": mine["rest"] + ours["own"] + p.memory["workspace"]},
@@ -221,7 +230,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
         chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == (st, k, chunks))
         layers.append({"class": lc.module_type, "fingerprint": fp, "count": lc.count, "strategy": st,
                        "checkpoint": k, "mlp_chunks": chunks, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
-                       "exposed_comm_s": chosen.exposed_s})
+                       "exposed_comm_s": chosen.sp_exposed_s})
     states = model_states(g, world, zero_stage, zero_shard)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     saved_by = _what_each_saves(cands, sol)
