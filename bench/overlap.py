@@ -57,7 +57,7 @@ def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str,
     torch.set_num_threads(1)
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
     models, waited, losses, calls = {}, {s: [] for s in specs}, {}, {}
-    split = {s: [] for s in specs}      # per step, per rank: (peers' lag, transfer) in the all-to-alls
+    split = {s: [] for s in specs}      # per step, per rank: (peers' lag, transfer) in the SP collectives
     for spec in specs:
         torch._dynamo.reset()
         strategy, _, layout = spec.partition("@")
