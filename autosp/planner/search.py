@@ -96,17 +96,16 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
                                first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
-            cand = Candidate(key=(sp, layout, kl), base_time_s=first.total_s - layer_time[first.strategy]
-                             + (first.head_forward_s if kl > 1 else 0.0),
-                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms,
-                             base_exposed_s=first.exposed_comm_s - first.attention_exposed_s)
+            base_time, base_exposed = outside[first.strategy]
+            cand = Candidate(key=(sp, layout, kl), base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0),
+                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
             for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
                 opts = []
                 for st, p in ps.items():
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
-                    d_time, d_exposed = (a - b for a, b in zip(outside[st], outside[first.strategy]))
+                    d_time, d_exposed = outside[st][0] - base_time, outside[st][1] - base_exposed
                     for k in checkpoints:
                         for chunks in mlp_chunks if tileable[fp] else (1,):
                             # A tiled MLP recomputes its forward in backward, unless the layer's
