@@ -21,10 +21,12 @@ A second table splits every form's waits with the SP collectives' timeline
 (``autosp.strategies.collectives.TIMELINE``): the part a rank spent before the last rank had
 issued the exchange (its peers' lag: load imbalance and scheduling on shared cores, which no
 schedule hides) and the part after (the transfer still in flight, which overlap can hide). The
-transfer is predicted by the cost model with its sync skew and compute slowdown left out (the
-quantity the timeline's transfer measures), twice: with the shipped profile's collective tables,
-and with tables of the step's own collectives timed alone in the same processes right after the
-steps (:func:`time_alone`), which takes this machine's drift (20-50% between runs) out of the
+transfer is predicted by the cost model with, of its sync skew, only the part after the last rank
+issued (where ranks share cores a rank that has its data computes again and slows a peer still
+receiving) and without the compute slowdown (the quantity the timeline's transfer measures),
+twice: with the shipped profile's collective tables and skew, and with tables of the step's own
+collectives timed alone and the skew measured in the same processes right after the steps
+(:func:`time_alone`), which takes this machine's drift (20-50% between runs) out of the
 comparison and leaves the overlap formulas' error.
 """
 
@@ -40,17 +42,19 @@ from autosp.tools.launch import interleaved_times, spawn_gloo
 
 
 def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str, int, int]]
-            ) -> tuple[list[dict], dict[tuple[str, int], float]]:
+            ) -> tuple[list[dict], dict[tuple[str, int], float], dict]:
     """Every configuration compiled and warmed up first, then timed in interleaved rounds (one step of
     each per round), so that drift on a shared machine (and the first configuration's slower
     warm-up of the allocator) falls on all of them alike. Then each of ``sizes``' collectives alone,
-    in the same processes (:func:`time_alone`)."""
+    in the same processes (:func:`time_alone`), and the sync skew with its transfer part
+    (:func:`autosp.costmodel.sync_skew.measure_sync_skew`, as ``autosp profile`` measures it)."""
     import statistics
 
     import torch
     import torch.distributed as dist
 
     import autosp
+    from autosp.costmodel.sync_skew import measure_sync_skew
     from autosp.strategies import collectives
     from autosp.tools.validation import tiny_model
 
@@ -93,7 +97,9 @@ def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str,
                  critical=statistics.median(min(w) for w in waited[spec]),
                  loss=losses[spec], calls=calls[spec], split=_split_medians(split[spec]))
             for spec in specs]
-    return rows, time_alone(sizes, repeats=9)
+    alone = time_alone(sizes, repeats=9)
+    world = dist.get_world_size()
+    return rows, alone, measure_sync_skew(torch.device("cpu"), lambda: None, [(world, None)], repeats=7)
 
 
 def time_alone(sizes: list[tuple[str, int, int]], repeats: int) -> dict[tuple[str, int], float]:
@@ -165,10 +171,11 @@ def transfer_sizes(graph, world: int, seq_len: int, specs: list[str]) -> list[tu
     return sorted(out)
 
 
-def with_tables(prof, world: int, alone: dict[tuple[str, int], float]):
-    """``prof`` with its collectives over ``world`` ranks timed now (:func:`time_alone`), no sync
-    skew and no compute slowdown: what it predicts is the transfers' waits alone, the quantity
-    the timeline's "transfer" measures."""
+def with_tables(prof, world: int, alone: dict[tuple[str, int], float], skew: dict):
+    """``prof`` with its collectives over ``world`` ranks timed now (:func:`time_alone`), the part
+    of the sync skew measured now that lies after the last rank issued (``skew``), and no compute
+    slowdown: what it predicts is the transfers' waits alone, the quantity the timeline's
+    "transfer" measures."""
     data = copy.deepcopy(prof.data)
     for (name, nbytes), seconds in alone.items():
         rows = data["collectives"][name]["intra"].setdefault(str(world), [])
@@ -177,13 +184,13 @@ def with_tables(prof, world: int, alone: dict[tuple[str, int], float]):
         rows.append({"bytes": nbytes, "seconds": seconds, "now": True})
     for rows in (data["collectives"][n]["intra"][str(world)] for n in {n for n, _ in alone}):
         rows.sort(key=lambda r: r["bytes"])
-    data["sync_skew"] = {"seconds": {}}
+    data["sync_skew"] = {"seconds": dict(skew.get("transfer_seconds", {}))}
     data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
     return dataclasses.replace(prof, data=data)
 
 
-def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tuple[str, int], float]
-              ) -> tuple[dict[str, tuple[float, ...]], dict[str, str]]:
+def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tuple[str, int], float],
+              skew: dict) -> tuple[dict[str, tuple[float, ...]], dict[str, str]]:
     """Per spec: (step, exposed, transfer waits with the shipped tables, transfer waits with the
     tables timed in the run); and the planner's choice within each family."""
     from autosp.costmodel.predict import predict
@@ -191,13 +198,13 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tup
     from autosp.planner.search import plan
 
     prof = load_profile("cpu-gloo")
-    # The transfers' waits alone: no sync skew (the timeline counts the peers' lag apart) and no
-    # compute slowdown beside a transfer (the overlapped forms' "exposed" counts the compute they
-    # slow down, which no wait shows).
+    # The transfers' waits alone: of the sync skew only its transfer part (the timeline counts the
+    # peers' lag apart) and no compute slowdown beside a transfer (the overlapped forms' "exposed"
+    # counts the compute they slow down, which no wait shows).
     shipped = dataclasses.replace(prof, data=copy.deepcopy(prof.data))
-    shipped.data["sync_skew"] = {"seconds": {}}
+    shipped.data["sync_skew"] = {"seconds": dict(prof.data.get("sync_skew", {}).get("transfer_seconds", {}))}
     shipped.data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
-    now = with_tables(prof, world, alone)
+    now = with_tables(prof, world, alone, skew)
     out = {}
     for spec in specs:
         strategy, _, layout = spec.partition("@")
@@ -235,11 +242,11 @@ def main() -> None:
         specs += args.specs
         graph = tiny_graph(args.seq_len)
         sizes = transfer_sizes(graph, world, args.seq_len, specs)
-        rows, alone = spawn_gloo(measure, world, threads=1, seq_len=args.seq_len, specs=specs,
-                                 repeats=args.repeats, sizes=sizes)
+        rows, alone, skew = spawn_gloo(measure, world, threads=1, seq_len=args.seq_len, specs=specs,
+                                       repeats=args.repeats, sizes=sizes)
         losses = {round(r["loss"], 4) for r in rows}
         assert len(losses) == 1, f"configurations disagree on the loss: {rows}"
-        pred, chosen = predicted(graph, world, args.seq_len, specs, alone)
+        pred, chosen = predicted(graph, world, args.seq_len, specs, alone, skew)
         by_spec = {r["spec"]: r for r in rows}
         for r in rows:
             pt, pe, *_ = pred[r["spec"]]
@@ -251,6 +258,9 @@ def main() -> None:
         print(f"\n{world} ranks, the step's collectives alone now (ms) against the shipped table: " + ", ".join(
             f"{name} {nbytes / 2**20:.1f} MiB {t * 1e3:.2f} vs {shipped.collective_time(name, world, nbytes) * 1e3:.2f}"
             for (name, nbytes), t in sorted(alone.items())))
+        print(f"{world} ranks, sync skew now (ms): {skew['seconds'][str(world)] * 1e3:.2f}, of it after the last rank "
+              f"issued {skew.get('transfer_seconds', {}).get(str(world), 0.0) * 1e3:.2f}; shipped "
+              f"{shipped.sync_skew(world) * 1e3:.2f}, {shipped.sync_skew(world, transfer_only=True) * 1e3:.2f}")
         print("\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | least-waiting rank: peers' lag "
               "/ transfer (s) | transfer, mean over ranks (s) | / blocking | predicted transfer, shipped tables (s) "
               "| error | predicted transfer, tables timed now (s) | error |\n|---|---|---|---|---|---|---|---|---|---|")

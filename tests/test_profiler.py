@@ -34,6 +34,9 @@ def test_profile_on_two_ranks_writes_a_profile_the_planner_reads(tmp_path):
     assert all(list(c["intra"]) == ["2"] for c in doc["collectives"].values())
     assert doc["concurrency"]["comm_slowdown"] >= 1.0 and doc["source"]["where"].endswith("2 rank(s)")
     assert list(doc["sync_skew"]["seconds"]) == ["2"] and doc["sync_skew"]["seconds"]["2"] >= 0.0
+    # its part after the last rank issued, from the ranks' timestamps, within the whole
+    assert list(doc["sync_skew"]["transfer_seconds"]) == ["2"]
+    assert 0.0 <= doc["sync_skew"]["transfer_seconds"]["2"] <= doc["sync_skew"]["seconds"]["2"]
     assert doc["threads_per_device"] == 1                  # a CPU profile: its head counts are pooled
     prof = load_profile(str(out))
     g = capture(ModelSource("heldout-a", hf_config=held_out_config("heldout-a")), seq_len=1024, dtype="float32")
@@ -97,7 +100,7 @@ def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_pa
     from autosp.strategies import AttentionShape, SPMesh, resolve
 
     doc = json.loads(json.dumps(load_profile("cpu-gloo").data))
-    doc["sync_skew"] = {"seconds": {"2": 0.001, "4": 0.003}}
+    doc["sync_skew"] = {"seconds": {"2": 0.001, "4": 0.003}, "transfer_seconds": {"4": 0.002}}
     (tmp_path / "skewed.json").write_text(json.dumps(doc))
     del doc["sync_skew"]
     (tmp_path / "plain.json").write_text(json.dumps(doc))
@@ -105,6 +108,9 @@ def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_pa
     assert (skewed.sync_skew(4), skewed.sync_skew(2), skewed.sync_skew(8), skewed.sync_skew(1)) == \
         (0.003, 0.001, 0.003, 0.0)
     assert plain.sync_skew(4) == 0.0
+    # its transfer part (what a timeline that splits waits counts as transfer), the nearest group
+    assert (skewed.sync_skew(4, transfer_only=True), skewed.sync_skew(2, transfer_only=True),
+            plain.sync_skew(4, transfer_only=True)) == (0.002, 0.002, 0.0)
     shape = AttentionShape(heads=8, kv_heads=4, head_dim=32, seq_len=4096, causal=True)
     ulysses = resolve("ulysses").cost(shape, SPMesh(4, "contiguous"))        # 8 blocking all-to-alls a step
     n = sum(t.count for t in ulysses.transfers)

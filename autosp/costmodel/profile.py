@@ -171,12 +171,13 @@ class HardwareProfile:
         c = self.data.get("concurrency", {})
         return float(c.get("comm_slowdown", 1.0)), float(c.get("compute_slowdown", 1.0))
 
-    def sync_skew(self, group_size: int) -> float:
+    def sync_skew(self, group_size: int, transfer_only: bool = False) -> float:
         """Seconds a blocking collective over ``group_size`` ranks costs after compute beyond its
         table time (``autosp profile``'s sync-skew measurement: ranks arrive at their own pace, and
         ranks sharing a device wait to be scheduled); the nearest measured group size, 0.0 where
-        the profile says nothing."""
-        by_size = self.data.get("sync_skew", {}).get("seconds", {})
+        the profile says nothing. ``transfer_only``: its part after the last rank issued (the
+        transfer slowed by peers computing on shared devices; 0.0 where not measured)."""
+        by_size = self.data.get("sync_skew", {}).get("transfer_seconds" if transfer_only else "seconds", {})
         if group_size <= 1 or not by_size:
             return 0.0
         p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))

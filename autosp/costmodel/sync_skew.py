@@ -9,6 +9,7 @@ size; :meth:`autosp.costmodel.profile.HardwareProfile.sync_skew` reads it and
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -31,6 +32,15 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     The cost model adds it to every attention transfer, hidden where compute runs beside it
     (:func:`autosp.costmodel.predict.transfer_times`).
 
+    Its two parts, from every call's issue and return times on every rank (one host's monotonic
+    clock; left out where a group spans hosts): the peers' lag (a rank waiting for the last to
+    issue) and the transfer after the last rank issued. Where ranks share devices the transfer
+    itself is slower than alone: a rank that has its data computes again and takes a core from
+    a peer still receiving. ``transfer_seconds``:
+        transfer(p) = max(0, median over matmul sizes of T_loop - T_alone), at most skew(p),
+    T = median over calls of the mean over ranks of (return - the last rank's issue). It is what
+    a timeline that splits waits this way counts as transfer (``bench/overlap.py``).
+
     The loop's wall time is the step's cost. The seconds a rank spends blocked are not: where
     ranks share cores, a waiting rank lets the other on its core run. Costed from the
     least-waiting rank's blocked time instead (after 4-64 ms matmuls: 12.4 ms at 4 ranks), the
@@ -42,16 +52,24 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     rank = dist.get_rank()
     rows = (512, 2048, 8192) if device.type == "cpu" else (8192, 32768, 131072)
     seconds: dict[str, float] = {}
+    transfer: dict[str, float] = {}
     for p, pg in sorted(groups, key=lambda g: g[0]):
         if pg is not None and rank >= p:           # not in this group: wait for its members
             dist.barrier()
             continue
         x = torch.zeros(1024 // p * p, device=device)
         y = torch.empty_like(x)
-        coll = lambda: dist.all_to_all_single(y, x, group=pg)  # noqa: E731
+        stamps: list[tuple[float, float]] = []
+
+        def coll() -> None:
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x, group=pg)
+            stamps.append((t0, time.perf_counter()))
+
         start = lambda: (sync(), dist.barrier(group=pg))  # noqa: E731
         t_coll = median_time(coll, max(repeats, 15), barrier=start, sync=sync)
-        extra = []
+        transfer_alone = _transfer(stamps, pg)
+        extra, extra_transfer = [], []      # (the second stays empty where the group spans hosts)
         for m in rows:
             a, b = torch.randn(m, 288, device=device), torch.randn(288, 288, device=device)
 
@@ -67,10 +85,36 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
                     coll()
 
             t_alone = median_time(alone, repeats, barrier=start, sync=sync)
+            stamps.clear()
             t_loop = median_time(blocking, repeats, barrier=start, sync=sync)
             extra.append((t_loop - t_alone) / pieces - t_coll)
+            in_loop = _transfer(stamps, pg)
+            if in_loop is not None and transfer_alone is not None:
+                extra_transfer.append(in_loop - transfer_alone)
         seconds[str(p)] = max(0.0, statistics.median(extra))
+        if extra_transfer:
+            transfer[str(p)] = min(seconds[str(p)], max(0.0, statistics.median(extra_transfer)))
         dist.barrier()
-    return {"seconds": seconds,
+    return {"seconds": seconds, "transfer_seconds": transfer,
             "how": f"{pieces} x (matmul of {'/'.join(map(str, rows))} x 288 x 288, 4 KiB all-to-all) against "
-                   f"each alone, median over matmul sizes of {repeats} runs each"}
+                   f"each alone, median over matmul sizes of {repeats} runs each; transfer_seconds: the part "
+                   f"after the last rank issued"}
+
+
+def _transfer(stamps: list[tuple[float, float]], group: Any) -> float | None:
+    """Median over calls of the mean over the group's ranks of (return - the last rank's issue):
+    ``stamps`` holds this rank's (issue, return) per call, every rank the same calls. None where
+    the group spans hosts (their clocks do not compare)."""
+    import platform
+    import statistics
+
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (platform.node(), stamps), group=group)
+    if len({host for host, _ in every}) > 1:
+        return None
+    calls = [s for _, s in every]
+    per_call = []
+    for i in range(min(len(s) for s in calls)):
+        last = max(s[i][0] for s in calls)
+        per_call.append(sum(max(0.0, s[i][1] - last) for s in calls) / len(calls))
+    return statistics.median(per_call)
