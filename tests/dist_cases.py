@@ -822,6 +822,21 @@ def allgather_kv_schedule(**kw: Any) -> dict[str, Any]:
     return out
 
 
+def ulysses_schedule(**kw: Any) -> dict[str, Any]:
+    """``train_compare`` under a pipelined Ulysses with the timeline on: per SP exchange, in the
+    order they completed, (when it was issued, when it was waited for) relative to the step's
+    first issue; and the model's layer count."""
+    from autosp.strategies import collectives
+
+    collectives.TIMELINE = timeline = []
+    try:
+        out = train_compare(**kw)
+    finally:
+        collectives.TIMELINE = None
+    out["timeline"] = [(issued, waited) for issued, waited, _ in timeline]
+    return out
+
+
 def zero3_in_graph(seq_len: int = 64, steps: int = 1, compilers: tuple[str, ...] = ("aot_eager",)) -> dict[str, Any]:
     """ZeRO 3 gathered inside the graph on a 1 x 2 mesh, a 4-block Llama whose parameters outweigh
     its activations: per compiler, the worst gradient and loss error against one process over

@@ -167,32 +167,35 @@ def test_plan_costs_packed_documents(capsys):
     assert "sum to the sequence length" in capsys.readouterr().err
 
 
+class OneSecondCollectives:
+    """A profile whose every collective takes 1 s, 1.5x slower beside compute that it slows 1.2x."""
+
+    def collective_time(self, *args):
+        return 1.0
+
+    def concurrency(self):
+        return 1.5, 1.2
+
+    def sync_skew(self, group_size):
+        return 0.0
+
+
 def test_pipelined_transfers_hide_behind_the_groups_kernels():
     # One head group's transfers take a = 2 x 1 s; 4 groups; the phase's kernels 8 s; a collective
     # beside compute runs 1.5x slower and slows the compute 1.2x (the profile's concurrency).
     from autosp.costmodel.predict import transfer_times
     from autosp.strategies.base import AttentionCost, Transfer
 
-    class Stub:
-        def collective_time(self, *args):
-            return 1.0
-
-        def concurrency(self):
-            return 1.5, 1.2
-
-        def sync_skew(self, group_size):
-            return 0.0
-
     piped = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 1.0, "fwd", 2, pipeline=4)],
                           workspace_bytes=0)
-    comm, exposed = transfer_times(Stub(), piped, t_fwd=8.0, t_bwd=0.0)
+    comm, exposed = transfer_times(OneSecondCollectives(), piped, t_fwd=8.0, t_bwd=0.0)
     # first group's inputs and last group's output: 2; 3 groups of 1.5 x 2 = 3 s beside 2 s of kernel: 3 x 1;
     # the kernels beside transfers: 0.2 x min(6, 9)
     assert comm == 8.0 and exposed == pytest.approx(2 + 3 * 1 + 0.2 * 6)
     blocking = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 4.0, "fwd", 2)], workspace_bytes=0)
-    assert transfer_times(Stub(), blocking, 8.0, 0.0) == (2.0, 2.0)       # unpipelined: all exposed
+    assert transfer_times(OneSecondCollectives(), blocking, 8.0, 0.0) == (2.0, 2.0)       # unpipelined: all exposed
 
-    class Skewed(Stub):            # the ranks meet 0.25 s late at every wait after their own compute
+    class Skewed(OneSecondCollectives):            # the ranks meet 0.25 s late at every wait after their own compute
         def sync_skew(self, group_size):
             return 0.25
 
@@ -201,6 +204,34 @@ def test_pipelined_transfers_hide_behind_the_groups_kernels():
     assert transfer_times(Skewed(), blocking, 8.0, 0.0) == (2.5, 2.5)
     comm, exposed = transfer_times(Skewed(), piped, t_fwd=8.0, t_bwd=0.0)
     assert comm == 8.5 and exposed == pytest.approx(2 + 2 * 0.25 + 3 * 1 + 0.2 * 6)
+
+
+def test_first_groups_inputs_issued_where_made_hide_behind_the_prologue(llama8b):
+    # Pipelined in 2 groups, one group's q, k, v and output 1 s each; the forward makes v 3 s of
+    # compute before the attention, q 0.5 s and k 0.2 s (V's projection, then RoPE on Q, then K).
+    # The link moves one at a time: v done at -2 s, q at +0.5, k (queued behind q) at +1.5.
+    from autosp.costmodel.predict import first_inputs_exposed, made_before, transfer_times
+    from autosp.graph import OpKind
+    from autosp.strategies.base import AttentionCost, Transfer
+
+    windows = {"q": 0.5, "k": 0.2, "v": 3.0}
+    assert first_inputs_exposed([(windows[r], 1.0) for r in "qkv"]) == pytest.approx(1.5)
+    assert first_inputs_exposed([(10.0, 1.0)] * 3) == 0.0          # all moved before the attention
+    assert first_inputs_exposed([(0.0, 1.0)] * 3) == 3.0           # issued at the attention: in full
+    cost = AttentionCost(kernels=[], workspace_bytes=0, transfers=[
+        Transfer("all_to_all", 2, 1.0, "fwd", 1, pipeline=2, lead=lead) for lead in ("q", "k", "v", "")])
+    comm, exposed = transfer_times(OneSecondCollectives(), cost, t_fwd=8.0, t_bwd=0.0, made_before=windows)
+    # the output back 1 + the inputs' wait 1.5 + the second group's 1.5 x 4 s beside a 4 s kernel: 2;
+    # the kernels beside transfers: 0.2 x (min(4, 6) + the 1.5 s of inputs hidden by the prologue)
+    assert comm == 8.0 and exposed == pytest.approx(1 + 1.5 + 2 + 0.2 * (4 + 1.5))
+    # with nothing made before the attention it costs what the attention-issued form costs
+    _, at_attention = transfer_times(OneSecondCollectives(), cost, 8.0, 0.0, made_before={})
+    assert at_attention == pytest.approx(4 + 2 + 0.2 * 4)
+
+    # On a captured Llama block: V's projection runs before RoPE, which makes Q then K.
+    attention = next(n for n in llama8b.nodes(phase="fwd") if n.kind == OpKind.ATTENTION)
+    w = made_before(llama8b, attention, load_profile("h100-sxm"), 8192.0, 1.0, 0.0)
+    assert w["v"] > w["q"] > w["k"] >= 0, w           # K made last, right before the attention
 
 
 def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):

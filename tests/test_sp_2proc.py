@@ -88,6 +88,25 @@ def test_ulysses_in_pipelined_head_groups_is_exact(pool, strategy, compiler, cfg
     assert [a["overlap"] for a in res[0]["report"]["attention"]] == [f"{k} head groups pipelined"] * 2
 
 
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_the_first_head_groups_exchanges_start_where_q_k_v_are_made(pool, compiler):
+    # HF Llama makes V (its projection) before Q and K (after RoPE): V's exchange of the first head
+    # group is issued first, Q's and K's as RoPE makes each; inside the attention they would all
+    # start together, in the order q, k, v.
+    res = run_ok(pool, "ulysses_schedule", kind="llama", strategy="ulysses:c2", compiler=compiler, steps=1,
+                 heads=4, kv=2)
+    check_first_step_exact(res, ["ulysses:c2"] * 2)
+    for r in res:
+        tl = r["timeline"]
+        # per layer and phase: 2 groups x (q, k, v in + the output back) = 8 exchanges, 2 layers
+        assert len(tl) == 2 * 2 * 8, tl
+        for layer in range(2):
+            q, k, v = tl[8 * layer: 8 * layer + 3]          # the first group's, waited in that order
+            assert v[0] < q[0] < k[0] <= q[1], (layer, q, k, v)
+            # the second group's start at the attention, after the first group's all started
+            assert all(later[0] >= k[0] for later in tl[8 * layer + 3: 8 * layer + 6]), tl[8 * layer: 8 * layer + 8]
+
+
 def test_overlap_false_runs_the_plain_form(pool):
     res = run_ok(pool, "train_compare", kind="llama", strategy="ulysses:c2", overlap=False, steps=1, heads=4, kv=2)
     check_first_step_exact(res, ["ulysses"] * 2)

@@ -26,6 +26,13 @@ Time (per device, one step):
             0.06 s a step on 4 ranks at k = 2). s_comm >= 1 is the profile's measured
             slowdown of a collective while the device computes, and the kernels beside it
             slow by s_compute: + (s_compute - 1) * min((k - 1) / k * K, (k - 1) * s_comm * a).
+            Where the first group's inputs are issued where the graph makes them (``lead``),
+            input i issued w_i seconds of the layer's forward compute before the attention
+            (:func:`made_before`) and moving t_i, one after another on the link, the
+            attention waits for them
+                wait = max(0, max_i (sum over j issued no earlier than i of t_j) - w_i)
+            in place of their sum in a; the part hidden (sum t_i - wait) slows that compute
+            by s_compute like the rest.
             Transfers declared beside a share f of the phase's kernel time (all-gather-KV's
             gather and reduce-scatter beside the own block; a = their summed time):
                 exposed = max(0, s_comm * a - f * K) + (s_compute - 1) * min(f * K, s_comm * a)
@@ -117,13 +124,16 @@ def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backw
     return max(max(per_rank), share * sum(per_rank) / len(per_rank))
 
 
-def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, t_bwd: float) -> tuple[float, float]:
+def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, t_bwd: float,
+                   made_before: dict[str, float] | None = None) -> tuple[float, float]:
     """(communication, exposed communication) of one attention op's transfers (see the module
-    docstring for the overlap formulas)."""
+    docstring for the overlap formulas). ``made_before``: per input ("q", "k", "v") the forward
+    compute seconds between where the graph makes it and the attention (:func:`made_before`)."""
     comm = exposed = 0.0
     group: dict[tuple[str, int], float] = {}           # (phase, k) -> one pipelined group's transfer time
     meet: dict[tuple[str, int], float] = {}            # (phase, k) -> the sync skew of one of its waits
     side: dict[tuple[str, float], float] = {}          # (phase, f) -> transfers beside that share of kernels
+    leads: dict[tuple[str, int], list[tuple[float, float]]] = {}   # (phase, k) -> (window, transfer) per input
     for tr in cost.transfers:
         table = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
@@ -131,6 +141,9 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
             comm += tr.pipeline * tr.count * table
             group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * table
             meet[(tr.phase, tr.pipeline)] = profile.sync_skew(tr.group)
+            if tr.lead:
+                window = (made_before or {}).get(tr.lead, 0.0)
+                leads.setdefault((tr.phase, tr.pipeline), []).extend([(window, table)] * tr.count)
             continue
         # the ranks meet at every collective from their own compute, not together as the tables
         # time it: the profile's sync skew, hidden like the rest where compute runs beside it
@@ -145,12 +158,47 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     for (phase, k), a in group.items():
         kernel = t_fwd if phase == "fwd" else t_bwd
         comm += 2 * meet[(phase, k)]
-        exposed += a + 2 * meet[(phase, k)] + (k - 1) * max(0.0, s_comm * a - kernel / k)
-        exposed += (s_compute - 1) * min((k - 1) / k * kernel, (k - 1) * s_comm * a)
+        lead = leads.get((phase, k), [])
+        waited = first_inputs_exposed(lead)
+        exposed += a - sum(t for _, t in lead) + waited + 2 * meet[(phase, k)] + \
+            (k - 1) * max(0.0, s_comm * a - kernel / k)
+        exposed += (s_compute - 1) * (min((k - 1) / k * kernel, (k - 1) * s_comm * a) + sum(t for _, t in lead) - waited)
     for (phase, f), a in side.items():
         hidden_by = f * (t_fwd if phase == "fwd" else t_bwd)
         exposed += max(0.0, s_comm * a - hidden_by) + (s_compute - 1) * min(hidden_by, s_comm * a)
     return comm, exposed
+
+
+def first_inputs_exposed(lead: list[tuple[float, float]]) -> float:
+    """What the attention waits of the first group's inputs, each issued ``window`` seconds of
+    compute before it and moving ``transfer`` seconds, one after another in issue order:
+        max(0, max_i (sum over j issued no earlier than i of t_j) - w_i)."""
+    worst, after = 0.0, 0.0
+    for window, t in sorted(lead):                  # the last made first: a suffix sum in issue order
+        after += t
+        worst = max(worst, after - window)
+    return worst
+
+
+def made_before(graph: OpGraph, attention: OpNode, profile: HardwareProfile, s_loc: float, share: float,
+                overhead: float) -> dict[str, float]:
+    """Per input of a forward attention op ("q", "k", "v": its first three operands), the seconds
+    of the layer's forward compute between the op that makes it and the attention, at ``s_loc``
+    tokens a rank (what runs while an exchange issued where the input is made moves)."""
+    preds = list(graph.graph.predecessors(attention.name))[:3]
+    out = {}
+    for role, name in zip(("q", "k", "v"), preds):
+        made = graph.op(name).index
+        out[role] = sum(_op_time(n, profile, s_loc, share, graph.dtype) + overhead
+                        for n in graph.nodes(phase="fwd", layer=attention.layer)
+                        if made < n.index < attention.index and n.kind not in (OpKind.VIEW, OpKind.ATTENTION))
+    return out
+
+
+def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str) -> float:
+    if a.kind == OpKind.MATMUL:
+        return share * profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
+    return share * profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
 
 
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
@@ -201,16 +249,18 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 p.attention_bwd_s += w * t
             else:
                 p.attention_fwd_s += w * t
-                comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd)
+                early = made_before(graph, a, profile, s_loc, share, overhead) \
+                    if any(tr.lead for tr in cost.transfers) else None
+                comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd, early)
                 p.attention_comm_s += w * comm
                 p.attention_exposed_s += w * exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
-            t = share * profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
+            t = _op_time(a, profile, s_loc, share, dtype)
             if a.layer is None and a.phase == "fwd":
                 p.head_forward_s += w * (t + overhead)
         else:
-            t = share * profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
+            t = _op_time(a, profile, s_loc, share, dtype)
             if a.layer is not None and a.phase == "fwd":
                 p.layer_forward_pointwise_s += w * (t + overhead)
         p.compute_s += w * (t + overhead)

@@ -93,6 +93,9 @@ class Transfer:
     groups' kernels (see :func:`autosp.costmodel.predict.transfer_times`); ``count`` is per group.
     ``beside = f > 0``: the phase's transfers with this ``f`` run together beside the share ``f``
     of its attention kernel time, slowed by the profile's concurrency (the same function).
+    ``lead`` = "q", "k" or "v": a pipelined transfer of the first group's input, issued where the
+    graph makes that input (:meth:`Strategy.early_issue`), so it moves beside the forward compute
+    between there and the attention.
     """
 
     collective: str            # all_to_all, all_gather, reduce_scatter, all_reduce, send_recv
@@ -104,6 +107,7 @@ class Transfer:
     overlap_steps: int = 0
     pipeline: int = 0
     beside: float = 0.0
+    lead: str = ""
 
 
 @dataclass
@@ -166,6 +170,13 @@ class Strategy(ABC):
     def grid(self, mesh: SPMesh) -> tuple[int, int]:
         """(Ulysses degree, ring degree) of the 2-D SP grid this strategy uses."""
         return (1, mesh.degree)
+
+    def early_issue(self, shape: AttentionShape) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+        """A function the sharding pass calls on each of q, k, v right where the graph makes it
+        (with these keyword arguments and the runtime's), its results passed to
+        :attr:`attention_fn` as ``first=(q's, k's, v's)``: an exchange started before the rest
+        of the layer's prologue runs. None: the attention function starts its own."""
+        return None
 
     @property
     def overlap(self) -> str:

@@ -12,7 +12,9 @@ heads read; autograd sums the copies' gradients); else expanded to H.
 Chunked (``ulysses:cK``, K head groups): the heads are cut into K groups that go
 through the all-to-alls and the kernel one after another, pipelined: group g+1's
 Q, K, V are in flight while group g attends, and group g's output travels back
-while group g+1 attends. The backward mirrors it (see the issue/complete ops in
+while group g+1 attends. The first group's exchanges start where the graph makes
+each of Q, K and V (:func:`issue_first_group`, placed by the sharding pass): V's
+after its projection moves while RoPE runs on Q and K, Q's while K's RoPE runs. The backward mirrors it (see the issue/complete ops in
 :mod:`autosp.strategies.collectives`). Exact for every K: each head's attention is
 the same kernel call on the same tokens; only when the bytes move changes. Needs
 K*P to divide the query heads; KV heads are repeated until each group has its own.
@@ -57,11 +59,17 @@ def heads_illegal(n_heads: int, n_kv: int, world: int, what: str = "SP degree") 
 def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter: bool,
                          chunks: int = 1) -> list[Transfer]:
     """Q, K, V in and the output back, forward; their gradients, backward. In ``chunks`` head
-    groups: each group's share, pipelined against the groups' kernels (``pipeline``)."""
+    groups: each group's share, pipelined against the groups' kernels (``pipeline``), the
+    forward's Q, K and V each issued where the graph makes it (``lead``)."""
     q_bytes = shape.bytes(shape.heads, tokens) / chunks
     kv_bytes = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, group, chunks), tokens) / chunks
-    return [Transfer("all_to_all", group, nbytes, phase, 2, inter, pipeline=chunks if chunks > 1 else 0)
-            for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
+    if chunks == 1:
+        return [Transfer("all_to_all", group, nbytes, phase, 2, inter)
+                for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
+    fwd = [Transfer("all_to_all", group, nbytes, "fwd", 1, inter, pipeline=chunks, lead=lead)
+           for nbytes, lead in ((q_bytes, "q"), (kv_bytes, "k"), (kv_bytes, "v"), (q_bytes, ""))]
+    return fwd + [Transfer("all_to_all", group, nbytes, "bwd", 2, inter, pipeline=chunks)
+                  for nbytes in (q_bytes, kv_bytes)]
 
 
 def seq_to_heads(q: Tensor, k: Tensor, v: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -91,10 +99,24 @@ def _local_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, 
     return to_rank_order(out, out.dim() - 2, layout, world) if reorder else out
 
 
+def issue_first_group(x: Tensor, *, n_heads: int, group_name: str, chunks: int, **_: Any) -> Tensor:
+    """Start the first head group's all-to-all of one of q, k, v (``x``, ``[..., H, S, D]``) where
+    the graph makes it; returns the receive buffer :func:`ulysses_attention` completes
+    (``first=``). KV heads are repeated as the attention function repeats them (it repeats them
+    again for the later groups: a copy, cheaper than holding the repeated tensor across the
+    prologue)."""
+    world = dist.get_world_size(resolve_group(group_name))
+    rep = kv_repeat(n_heads, x.shape[-3], world, chunks)
+    if rep > 1:
+        x = x.repeat_interleave(rep, dim=-3)
+    hd = x.dim() - 3
+    return all_to_all_issue(x.chunk(chunks, dim=hd)[0].contiguous(), hd, group_name)
+
+
 def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                       enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous",
-                      chunks: int = 1) -> Tensor:
+                      chunks: int = 1, first: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     pg = resolve_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     n_heads = query.shape[-3]
@@ -113,7 +135,8 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
     def issue(g: int) -> list[Tensor]:
         return [all_to_all_issue(t[g].contiguous(), hd, group_name) for t in groups]
 
-    in_flight, outs = issue(0), []
+    # the first group's exchanges already started where q, k, v were made (issue_first_group)
+    in_flight, outs = (list(first) if first is not None else issue(0)), []
     for g in range(chunks):
         arrived = in_flight
         if g + 1 < chunks:
@@ -192,6 +215,9 @@ class Ulysses(Strategy):
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "chunks": self.chunks}
+
+    def early_issue(self, shape: AttentionShape) -> tuple[Any, dict[str, Any]] | None:
+        return (issue_first_group, {"n_heads": shape.heads}) if self.chunks > 1 else None
 
     def grid(self, mesh: SPMesh) -> tuple[int, int]:
         return (mesh.degree, 1)

@@ -439,10 +439,24 @@ class Sharder:
             runtime = self.ctx.runtime[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
         n.target = strat.attention_fn
         n.kwargs = {**n.kwargs, **runtime, "layout": self.ctx.layout}
+        early = strat.early_issue(shape)
+        if early is not None:
+            n.kwargs = {**n.kwargs, "first": tuple(self._issue_where_made(a, early, runtime) for a in n.args[:3])}
         self.place[n] = (qv.dim() - 2,)
         self.report.attention += 1
         self.report.strategies.append(strat.spec)
         self.report.heads.append((shape.heads, shape.kv_heads))
+
+    def _issue_where_made(self, a: fx.Node, early: tuple[Any, dict[str, Any]], runtime: dict[str, Any]) -> fx.Node:
+        """``early``'s call on ``a``, placed right after the node that makes ``a``: what the
+        graph runs after it (the other projections, RoPE) runs while its exchange moves."""
+        fn, kwargs = early
+        after = self._last_placeholder() if a.op == "placeholder" else a
+        with self.graph.inserting_after(after):
+            issued = self.graph.call_function(fn, (a,), {**kwargs, **runtime})
+        # in a's layer, as a is; not a's values (the result is a receive buffer of another shape)
+        issued.meta.update({k: v for k, v in a.meta.items() if k not in ("val", "example_value", "tensor_meta")})
+        return issued
 
     def _strategy_for(self, index: int) -> str:
         st = self.ctx.strategy
