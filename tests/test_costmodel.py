@@ -1,5 +1,6 @@
 """Cost model: lookups, profile loading and its errors, predictions' sense."""
 
+import dataclasses
 import json
 import warnings
 
@@ -179,6 +180,9 @@ class OneSecondCollectives:
     def sync_skew(self, group_size):
         return 0.0
 
+    def issued_together(self, group_size):
+        return 1.0
+
 
 def test_pipelined_transfers_hide_behind_the_groups_kernels():
     # One head group's transfers take a = 2 x 1 s; 4 groups; the phase's kernels 8 s; a collective
@@ -232,6 +236,33 @@ def test_first_groups_inputs_issued_where_made_hide_behind_the_prologue(llama8b)
     attention = next(n for n in llama8b.nodes(phase="fwd") if n.kind == OpKind.ATTENTION)
     w = made_before(llama8b, attention, load_profile("h100-sxm"), 8192.0, 1.0, 0.0)
     assert w["v"] > w["q"] > w["k"] >= 0, w           # K made last, right before the attention
+
+
+def test_output_gradients_issued_together_share_the_link_as_the_profile_measured():
+    # Backward in 4 head groups: each group's output gradient (1 s, issued by all groups at once
+    # at the phase's start), its dQ (1 s) and dK, dV (1 s each); the kernels' backward 8 s.
+    from autosp.costmodel.predict import transfer_times
+    from autosp.strategies.base import AttentionCost, Transfer
+
+    cost = AttentionCost(kernels=[], workspace_bytes=0, transfers=[
+        Transfer("all_to_all", 2, 1.0, "bwd", 1, pipeline=4, together=True),
+        Transfer("all_to_all", 2, 1.0, "bwd", 1, pipeline=4), Transfer("all_to_all", 2, 1.0, "bwd", 2, pipeline=4)])
+
+    class SideBySide(OneSecondCollectives):        # the first of several issued at once: 2.5x alone
+        def issued_together(self, group_size):
+            return 2.5
+
+    comm, fifo = transfer_times(OneSecondCollectives(), cost, t_fwd=0.0, t_bwd=8.0)
+    # one stream in issue order: the first output gradient as alone (1) + the last group's dQ, dK,
+    # dV (3); 3 groups' 1.5 x 3 s beside 2 s of kernel: 3 x 2.5; the kernels beside transfers:
+    # 0.2 x (min(6, 13.5) + the other 3 output gradients beside the first kernel, min(2, 4.5))
+    assert comm == 16.0 and fifo == pytest.approx(3 + 1 + 7.5 + 0.2 * (6 + 2))
+    _, shared = transfer_times(SideBySide(), cost, t_fwd=0.0, t_bwd=8.0)
+    assert shared == pytest.approx(3 + 2.5 + 7.5 + 0.2 * (6 + 2))
+    # at most every group's: 2 groups issued side by side wait for both
+    two = AttentionCost(kernels=[], workspace_bytes=0, transfers=[
+        dataclasses.replace(t, pipeline=2) for t in cost.transfers])
+    assert transfer_times(SideBySide(), two, 0.0, 8.0)[1] == pytest.approx(3 + 2 * 1 + 1 * 0.5 + 0.2 * min(4, 4.5))
 
 
 def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):

@@ -183,6 +183,19 @@ class HardwareProfile:
         p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))
         return float(by_size[str(p0)])
 
+    def issued_together(self, group_size: int) -> float:
+        """How long the first of several equal collectives over ``group_size`` ranks, issued back
+        to back, takes to complete, in units of one alone (``autosp profile``'s
+        ``issued_together``, four issued at once; the nearest measured group size): 1.0 where the
+        backend runs a group's collectives one after another in issue order, and where the profile
+        says nothing (published profiles: NCCL runs a process group's collectives on one stream);
+        more where it moves them side by side (gloo's worker threads share the link)."""
+        by_size = self.data.get("issued_together", {}).get("first_done", {})
+        if group_size <= 1 or not by_size:
+            return 1.0
+        p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))
+        return max(1.0, float(by_size[str(p0)]))
+
     def peak_flops(self, dtype: str) -> float:
         """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
         efficiency."""

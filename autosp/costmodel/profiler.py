@@ -11,11 +11,12 @@ group and, when the world has 4+ ranks, over its first 2, and rank 0 and its dev
 the concurrency measurement: how much an all-to-all and a matmul slow each other down when
 they run at once (what an overlapped schedule gets; see :func:`measure_concurrency`), and in
 the sync-skew measurement: what a blocking collective costs after compute beyond its time
-alone (:func:`measure_sync_skew`). Each
+alone (:func:`measure_sync_skew`), and in how several collectives issued at once share the
+link (:func:`measure_issued_together`). Each
 point: warm-up, repeats, median; tables are made monotone when loaded. A time budget bounds
 the whole run (``--quick``: about 1 minute on a 2-core CPU); every rank stops at the same
 point. ``--only SECTION ...`` measures some sections (compute, collectives, concurrency,
-sync_skew) and, where ``--out`` exists, replaces only those in it.
+sync_skew, issued_together) and, where ``--out`` exists, replaces only those in it.
 
 The CPU grid is generic: square and rectangular matmuls at dimensions 112, 288 and 1152 over
 128-8192 rows, attention at 2 and 8 heads and head dims 24 and 96 (the cost model
@@ -93,7 +94,7 @@ def _grids(quick: bool, cuda: bool) -> dict[str, list]:
     return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
 
 
-SECTIONS = ("compute", "collectives", "concurrency", "sync_skew")
+SECTIONS = ("compute", "collectives", "concurrency", "sync_skew", "issued_together")
 
 
 def measure(out: str, quick: bool = False, budget_s: float | None = None,
@@ -227,6 +228,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
     skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16) \
         if distributed and "sync_skew" in sections else None
+    together = measure_issued_together(device, sync, groups, 3 if quick else 9) \
+        if distributed and "issued_together" in sections else None
     if rank != 0:
         return {}
     doc = {
@@ -247,6 +250,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         doc["concurrency"] = concurrency
     if skew:
         doc["sync_skew"] = skew
+    if together:
+        doc["issued_together"] = together
     if only:
         doc = _merged(out, doc, sections)
     with open(out, "w") as f:
@@ -260,7 +265,7 @@ def _merged(out: str, doc: dict, sections: set[str]) -> dict:
     with open(out) as f:
         old = json.load(f)
     keys = {"compute": ("compute", "op_overhead_s", "threads_per_device"), "collectives": ("collectives",),
-            "concurrency": ("concurrency",), "sync_skew": ("sync_skew",)}
+            "concurrency": ("concurrency",), "sync_skew": ("sync_skew",), "issued_together": ("issued_together",)}
     for section in sorted(sections):
         for key in keys[section]:
             if key in doc:
@@ -357,6 +362,48 @@ def measure_concurrency(device: torch.device, sync: Callable[[], None], group: A
             "compute_slowdown": max(1.0, statistics.median(compute_ratio)),
             "how": f"{pieces} x {n}^3 matmul ({t_compute * 1e3:.1f} ms alone) beside an all-to-all of "
                    f"{numel * 4 >> 20} MiB ({t_comm * 1e3:.1f} ms alone), median of {repeats}"}
+
+
+def measure_issued_together(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
+                            repeats: int = 9, n: int = 4, nbytes: int = 2 << 20) -> dict[str, Any]:
+    """How long the first of ``n`` equal all-to-alls issued back to back takes to complete, over
+    one issued alone, per group size (``groups``: (p, group)); rank 0's medians.
+
+    Pipelined Ulysses' backward issues every head group's output gradient at once (autograd
+    hands them over together): where the backend moves its collectives one after another in
+    issue order (NCCL: one stream) the first arrives as if alone (1.0); where it runs them side
+    by side they share the link and the first arrives later (gloo: its worker threads).
+    """
+    import statistics
+
+    rank = dist.get_rank()
+    first_done: dict[str, float] = {}
+    for p, pg in sorted(groups, key=lambda g: g[0]):
+        if pg is not None and rank >= p:           # not in this group: wait for its members
+            dist.barrier()
+            continue
+        xs = [torch.randn(nbytes // 4 // p * p, device=device) for _ in range(n)]
+        ys = [torch.empty_like(x) for x in xs]      # reused: page faults are not this quantity
+
+        def first_of(count: int) -> float:
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            works = [dist.all_to_all_single(y, x, group=pg, async_op=True) for x, y in zip(xs[:count], ys)]
+            works[0].wait()
+            sync()
+            took = time.perf_counter() - t0
+            for work in works[1:]:
+                work.wait()
+            return took
+
+        first_of(n)                                 # warm-up
+        alone = statistics.median(first_of(1) for _ in range(repeats))
+        together = statistics.median(first_of(n) for _ in range(repeats))
+        first_done[str(p)] = max(1.0, together / alone)
+        dist.barrier()
+    return {"first_done": first_done,
+            "how": f"{n} all-to-alls of {nbytes >> 20} MiB issued back to back: the first's time over one alone, "
+                   f"median of {repeats}"}
 
 
 def _device_name(cuda: bool) -> str:

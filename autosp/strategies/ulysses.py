@@ -68,8 +68,12 @@ def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter
                 for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
     fwd = [Transfer("all_to_all", group, nbytes, "fwd", 1, inter, pipeline=chunks, lead=lead)
            for nbytes, lead in ((q_bytes, "q"), (kv_bytes, "k"), (kv_bytes, "v"), (q_bytes, ""))]
-    return fwd + [Transfer("all_to_all", group, nbytes, "bwd", 2, inter, pipeline=chunks)
-                  for nbytes in (q_bytes, kv_bytes)]
+    # backward: every group's output gradient at once (autograd has them all from the final
+    # concatenation), then each group's dQ, dK, dV as its kernel's backward finishes
+    bwd = [Transfer("all_to_all", group, q_bytes, "bwd", 1, inter, pipeline=chunks, together=True),
+           Transfer("all_to_all", group, q_bytes, "bwd", 1, inter, pipeline=chunks),
+           Transfer("all_to_all", group, kv_bytes, "bwd", 2, inter, pipeline=chunks)]
+    return fwd + bwd
 
 
 def seq_to_heads(q: Tensor, k: Tensor, v: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
