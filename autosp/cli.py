@@ -107,13 +107,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.max_seq_len:
         from autosp.planner.search import max_seq_len
 
+        if args.no_overlap:
+            raise AutospError("--no-overlap plans one sequence length; drop it with --max-seq-len, or give "
+                              "--seq-len N instead")
+
         longest, p = max_seq_len(args.model, **common)
         if not args.json:
             print(f"longest sequence that fits: {longest} tokens")
     else:
         if args.seq_len is None:
             raise AutospError("give --seq-len N, or --max-seq-len to find the longest that fits")
-        p = plan(args.model, seq_len=args.seq_len, documents=_documents(args.documents), **common)
+        p = plan(args.model, seq_len=args.seq_len, documents=_documents(args.documents), overlap=not args.no_overlap,
+                 **common)
     if args.html:
         from autosp.planner.html_report import write_html
 
@@ -206,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.add_argument("--html", default=None, help="write an HTML report with plots here")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits this world")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="plan with every collective blocking (no pipelined Ulysses, all-gather-KV overlap, prefetched "
+                        "ZeRO 3 gathers), to compare with the overlapped plan")
     p.add_argument("--documents", default=None,
                    help="lengths of the documents packed into each sequence, comma-separated (sum = --seq-len)")
     p.set_defaults(func=cmd_plan)

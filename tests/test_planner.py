@@ -104,6 +104,21 @@ def test_cli_plan_json(capsys, tmp_path):
     assert json.loads(out.read_text())["fingerprint"] == doc["fingerprint"]
 
 
+def test_cli_plans_without_overlap_for_comparison(capsys):
+    # Llama-3-8B at 64k on 8 H100s with ZeRO 3: pipelined Ulysses with overlap, plain without
+    args = ["plan", "--model", "llama3-8b", "--seq-len", "65536", "--world-size", "8", "--zero-stage", "3", "--json"]
+    docs = []
+    for extra in ([], ["--no-overlap"]):
+        assert main(args + extra) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    piped, plain = docs
+    assert piped["layers"][0]["overlap"].endswith("head groups pipelined"), piped["layers"]
+    assert all(layer["overlap"] == "none" for layer in plain["layers"]), plain["layers"]
+    assert plain["predicted"]["exposed_comm_s"] > piped["predicted"]["exposed_comm_s"]
+    assert main(["plan", "--model", "tiny", "--max-seq-len", "--no-overlap"]) == 2
+    assert "drop it with --max-seq-len" in capsys.readouterr().err
+
+
 def _hf(kind: str):
     import sys
 

@@ -14,8 +14,10 @@ through the all-to-alls and the kernel one after another, pipelined: group g+1's
 Q, K, V are in flight while group g attends, and group g's output travels back
 while group g+1 attends. The first group's exchanges start where the graph makes
 each of Q, K and V (:func:`issue_first_group`, placed by the sharding pass): V's
-after its projection moves while RoPE runs on Q and K, Q's while K's RoPE runs. The backward mirrors it (see the issue/complete ops in
-:mod:`autosp.strategies.collectives`). Exact for every K: each head's attention is
+after its projection moves while RoPE runs on Q and K, Q's while K's RoPE runs. The
+backward mirrors it (see the issue/complete ops in :mod:`autosp.strategies.collectives`),
+except that autograd hands over every group's output gradient at once (from the final
+concatenation), so their exchanges all start together. Exact for every K: each head's attention is
 the same kernel call on the same tokens; only when the bytes move changes. Needs
 K*P to divide the query heads; KV heads are repeated until each group has its own.
 """
