@@ -61,7 +61,8 @@ def measure(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int,
 
 def predicted(seq_len: int, window: int, heads: int, kv_heads: int, head_dim: int, world: int,
               strategy: str = "ring") -> dict:
-    from autosp.costmodel.predict import kernel_time, transfer_times
+    from autosp.costmodel.overlap import transfer_times
+    from autosp.costmodel.predict import kernel_time
     from autosp.costmodel.profile import load_profile
     from autosp.strategies import AttentionShape, SPMesh, resolve
 

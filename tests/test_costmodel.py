@@ -187,7 +187,7 @@ class OneSecondCollectives:
 def test_pipelined_transfers_hide_behind_the_groups_kernels():
     # One head group's transfers take a = 2 x 1 s; 4 groups; the phase's kernels 8 s; a collective
     # beside compute runs 1.5x slower and slows the compute 1.2x (the profile's concurrency).
-    from autosp.costmodel.predict import transfer_times
+    from autosp.costmodel.overlap import transfer_times
     from autosp.strategies.base import AttentionCost, Transfer
 
     piped = AttentionCost(kernels=[], transfers=[Transfer("all_to_all", 2, 1.0, "fwd", 2, pipeline=4)],
@@ -214,7 +214,8 @@ def test_first_groups_inputs_issued_where_made_hide_behind_the_prologue(llama8b)
     # Pipelined in 2 groups, one group's q, k, v and output 1 s each; the forward makes v 3 s of
     # compute before the attention, q 0.5 s and k 0.2 s (V's projection, then RoPE on Q, then K).
     # The link moves one at a time: v done at -2 s, q at +0.5, k (queued behind q) at +1.5.
-    from autosp.costmodel.predict import first_inputs_exposed, made_before, transfer_times
+    from autosp.costmodel.overlap import first_inputs_exposed, transfer_times
+    from autosp.costmodel.predict import made_before
     from autosp.graph import OpKind
     from autosp.strategies.base import AttentionCost, Transfer
 
@@ -241,7 +242,7 @@ def test_first_groups_inputs_issued_where_made_hide_behind_the_prologue(llama8b)
 def test_output_gradients_issued_together_share_the_link_as_the_profile_measured():
     # Backward in 4 head groups: each group's output gradient (1 s, issued by all groups at once
     # at the phase's start), its dQ (1 s) and dK, dV (1 s each); the kernels' backward 8 s.
-    from autosp.costmodel.predict import transfer_times
+    from autosp.costmodel.overlap import transfer_times
     from autosp.strategies.base import AttentionCost, Transfer
 
     cost = AttentionCost(kernels=[], workspace_bytes=0, transfers=[

@@ -112,7 +112,7 @@ def test_the_profile_says_how_collectives_issued_together_share_the_link(tmp_pat
 
 
 def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_path):
-    from autosp.costmodel.predict import transfer_times
+    from autosp.costmodel.overlap import transfer_times
     from autosp.strategies import AttentionShape, SPMesh, resolve
 
     doc = json.loads(json.dumps(load_profile("cpu-gloo").data))

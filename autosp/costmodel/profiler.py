@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autosp.costmodel.profile import SCHEMA
-from autosp.costmodel.sync_skew import measure_sync_skew
+from autosp.costmodel.sync_skew import measure_issued_together, measure_sync_skew
 from autosp.errors import AutospError
 from autosp.tools.launch import median_time
 
@@ -362,48 +362,6 @@ def measure_concurrency(device: torch.device, sync: Callable[[], None], group: A
             "compute_slowdown": max(1.0, statistics.median(compute_ratio)),
             "how": f"{pieces} x {n}^3 matmul ({t_compute * 1e3:.1f} ms alone) beside an all-to-all of "
                    f"{numel * 4 >> 20} MiB ({t_comm * 1e3:.1f} ms alone), median of {repeats}"}
-
-
-def measure_issued_together(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
-                            repeats: int = 9, n: int = 4, nbytes: int = 2 << 20) -> dict[str, Any]:
-    """How long the first of ``n`` equal all-to-alls issued back to back takes to complete, over
-    one issued alone, per group size (``groups``: (p, group)); rank 0's medians.
-
-    Pipelined Ulysses' backward issues every head group's output gradient at once (autograd
-    hands them over together): where the backend moves its collectives one after another in
-    issue order (NCCL: one stream) the first arrives as if alone (1.0); where it runs them side
-    by side they share the link and the first arrives later (gloo: its worker threads).
-    """
-    import statistics
-
-    rank = dist.get_rank()
-    first_done: dict[str, float] = {}
-    for p, pg in sorted(groups, key=lambda g: g[0]):
-        if pg is not None and rank >= p:           # not in this group: wait for its members
-            dist.barrier()
-            continue
-        xs = [torch.randn(nbytes // 4 // p * p, device=device) for _ in range(n)]
-        ys = [torch.empty_like(x) for x in xs]      # reused: page faults are not this quantity
-
-        def first_of(count: int) -> float:
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            works = [dist.all_to_all_single(y, x, group=pg, async_op=True) for x, y in zip(xs[:count], ys)]
-            works[0].wait()
-            sync()
-            took = time.perf_counter() - t0
-            for work in works[1:]:
-                work.wait()
-            return took
-
-        first_of(n)                                 # warm-up
-        alone = statistics.median(first_of(1) for _ in range(repeats))
-        together = statistics.median(first_of(n) for _ in range(repeats))
-        first_done[str(p)] = max(1.0, together / alone)
-        dist.barrier()
-    return {"first_done": first_done,
-            "how": f"{n} all-to-alls of {nbytes >> 20} MiB issued back to back: the first's time over one alone, "
-                   f"median of {repeats}"}
 
 
 def _device_name(cuda: bool) -> str:

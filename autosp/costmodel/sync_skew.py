@@ -1,14 +1,16 @@
-"""The sync skew of a profile: what a collective costs when ranks arrive from their own compute.
+"""The sync skew of a profile: what a collective costs when ranks arrive from their own compute;
+and what one costs when several are issued at once (:func:`measure_issued_together`).
 
 ``autosp profile`` times every collective after a barrier, every rank entering together; in a
 training step they arrive at their own pace, and where ranks share devices (4 processes on 2
 cores) each waits to be scheduled. :func:`measure_sync_skew` measures the difference, per group
 size; :meth:`autosp.costmodel.profile.HardwareProfile.sync_skew` reads it and
-:func:`autosp.costmodel.predict.transfer_times` charges it.
+:func:`autosp.costmodel.overlap.transfer_times` charges it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -30,7 +32,7 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     alone, for matmuls of about 1, 4 and 16 ms on a CPU core:
         skew(p) = max(0, median over matmul sizes of (t_loop - t_matmuls) / pieces - t_all_to_all)
     The cost model adds it to every attention transfer, hidden where compute runs beside it
-    (:func:`autosp.costmodel.predict.transfer_times`).
+    (:func:`autosp.costmodel.overlap.transfer_times`).
 
     Its two parts, from every call's issue and return times on every rank (one host's monotonic
     clock; left out where a group spans hosts): the peers' lag (a rank waiting for the last to
@@ -47,7 +49,6 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     held-out SP-4 step predictions (``bench/costmodel_heldout.py --rows``) had a mean error of
     11.6% instead of 9.7%.
     """
-    import statistics
 
     rank = dist.get_rank()
     rows = (512, 2048, 8192) if device.type == "cpu" else (8192, 32768, 131072)
@@ -106,7 +107,6 @@ def _transfer(stamps: list[tuple[float, float]], group: Any) -> float | None:
     ``stamps`` holds this rank's (issue, return) per call, every rank the same calls. None where
     the group spans hosts (their clocks do not compare)."""
     import platform
-    import statistics
 
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, (platform.node(), stamps), group=group)
@@ -118,3 +118,43 @@ def _transfer(stamps: list[tuple[float, float]], group: Any) -> float | None:
         last = max(s[i][0] for s in calls)
         per_call.append(sum(max(0.0, s[i][1] - last) for s in calls) / len(calls))
     return statistics.median(per_call)
+
+
+def measure_issued_together(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
+                            repeats: int = 9, n: int = 4, nbytes: int = 2 << 20) -> dict[str, Any]:
+    """How long the first of ``n`` equal all-to-alls issued back to back takes to complete, over
+    one issued alone, per group size (``groups``: (p, group)); rank 0's medians.
+
+    Pipelined Ulysses' backward issues every head group's output gradient at once (autograd
+    hands them over together): where the backend moves its collectives one after another in
+    issue order (NCCL: one stream) the first arrives as if alone (1.0); where it runs them side
+    by side they share the link and the first arrives later (gloo: its worker threads).
+    """
+    rank = dist.get_rank()
+    first_done: dict[str, float] = {}
+    for p, pg in sorted(groups, key=lambda g: g[0]):
+        if pg is not None and rank >= p:           # not in this group: wait for its members
+            dist.barrier()
+            continue
+        xs = [torch.randn(nbytes // 4 // p * p, device=device) for _ in range(n)]
+        ys = [torch.empty_like(x) for x in xs]      # reused: page faults are not this quantity
+
+        def first_of(count: int) -> float:
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            works = [dist.all_to_all_single(y, x, group=pg, async_op=True) for x, y in zip(xs[:count], ys)]
+            works[0].wait()
+            sync()
+            took = time.perf_counter() - t0
+            for work in works[1:]:
+                work.wait()
+            return took
+
+        first_of(n)                                 # warm-up
+        alone = statistics.median(first_of(1) for _ in range(repeats))
+        together = statistics.median(first_of(n) for _ in range(repeats))
+        first_done[str(p)] = max(1.0, together / alone)
+        dist.barrier()
+    return {"first_done": first_done,
+            "how": f"{n} all-to-alls of {nbytes >> 20} MiB issued back to back: the first's time over one alone, "
+                   f"median of {repeats}"}

@@ -90,7 +90,7 @@ class Transfer:
     says each transfer runs beside one n-th of the phase's attention kernel work, so only
     ``max(0, t - kernel / n)`` of it is exposed; ``0`` means it blocks (fully exposed).
     ``pipeline = k > 0``: the transfer is one head group's of k, pipelined against the k
-    groups' kernels (see :func:`autosp.costmodel.predict.transfer_times`); ``count`` is per group.
+    groups' kernels (see :func:`autosp.costmodel.overlap.transfer_times`); ``count`` is per group.
     ``beside = f > 0``: the phase's transfers with this ``f`` run together beside the share ``f``
     of its attention kernel time, slowed by the profile's concurrency (the same function).
     ``lead`` = "q", "k" or "v": a pipelined transfer of the first group's input, issued where the
