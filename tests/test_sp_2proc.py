@@ -423,7 +423,10 @@ def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compi
     ("selective", "ulysses", "eager", {}), (["full", "none"], "ring", "eager", {"send_recv": 1}),
     # through AOTAutograd the layers' nodes carry recompute tags its partitioner follows
     # (["none", "full"] through AOTAutograd: test_tiled_mlp_is_exact, with its MLPs tiled)
-    ("selective", "ring", "aot_eager", {})])
+    ("selective", "ring", "aot_eager", {}),
+    # pipelined Ulysses, its first group issued where q, k, v are made: the recomputed forward
+    # exchanges its 2 groups' q, k, v and output again (8 a layer)
+    ("full", "ulysses:c2", "eager", {"all_to_all": 16}), ("full", "ulysses:c2", "aot_eager", {"all_to_all": 16})])
 def test_activation_checkpointing_is_exact(pool, mode, strategy, compiler, again):
     res = run_ok(pool, "train_compare", kind="llama", strategy=strategy, checkpoint=mode, steps=2, compiler=compiler)
     check_exact(res, [strategy] * 2)

@@ -106,14 +106,14 @@ def made_before(graph: OpGraph, attention: OpNode, profile: HardwareProfile, s_l
     """Per input of a forward attention op ("q", "k", "v": its first three operands), the seconds
     of the layer's forward compute between the op that makes it and the attention, at ``s_loc``
     tokens a rank (what runs while an exchange issued where the input is made moves)."""
-    preds = list(graph.graph.predecessors(attention.name))[:3]
-    out = {}
-    for role, name in zip(("q", "k", "v"), preds):
-        made = graph.op(name).index
-        out[role] = sum(_op_time(n, profile, s_loc, share, graph.dtype) + overhead
-                        for n in graph.nodes(phase="fwd", layer=attention.layer)
-                        if made < n.index < attention.index and n.kind not in (OpKind.VIEW, OpKind.ATTENTION))
-    return out
+    made = {role: graph.op(name).index
+            for role, name in zip(("q", "k", "v"), list(graph.graph.predecessors(attention.name))[:3])}
+    first = min(made.values(), default=attention.index)
+    # each op between the earliest input and the attention timed once, then summed per input
+    between = [(n.index, _op_time(n, profile, s_loc, share, graph.dtype) + overhead)
+               for n in graph.nodes(phase="fwd", layer=attention.layer)
+               if first < n.index < attention.index and n.kind not in (OpKind.VIEW, OpKind.ATTENTION)]
+    return {role: sum(t for i, t in between if i > index) for role, index in made.items()}
 
 
 def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str) -> float:

@@ -178,10 +178,7 @@ class HardwareProfile:
         the profile says nothing. ``transfer_only``: its part after the last rank issued (the
         transfer slowed by peers computing on shared devices; 0.0 where not measured)."""
         by_size = self.data.get("sync_skew", {}).get("transfer_seconds" if transfer_only else "seconds", {})
-        if group_size <= 1 or not by_size:
-            return 0.0
-        p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))
-        return float(by_size[str(p0)])
+        return float(_nearest_group(by_size, group_size, 0.0))
 
     def issued_together(self, group_size: int) -> float:
         """How long the first of several equal collectives over ``group_size`` ranks, issued back
@@ -191,10 +188,7 @@ class HardwareProfile:
         says nothing (published profiles: NCCL runs a process group's collectives on one stream);
         more where it moves them side by side (gloo's worker threads share the link)."""
         by_size = self.data.get("issued_together", {}).get("first_done", {})
-        if group_size <= 1 or not by_size:
-            return 1.0
-        p0 = min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s))
-        return max(1.0, float(by_size[str(p0)]))
+        return max(1.0, float(_nearest_group(by_size, group_size, 1.0)))
 
     def peak_flops(self, dtype: str) -> float:
         """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
@@ -260,3 +254,11 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return HardwareProfile(name=data.get("name", os.path.basename(path)), path=path, data=data,
                            memory_bytes=float(data["memory_bytes"]), devices_per_node=int(data["devices_per_node"]),
                            op_overhead_s=float(data.get("op_overhead_s", 0.0)))
+
+
+def _nearest_group(by_size: dict[str, Any], group_size: int, default: float) -> Any:
+    """The value measured at the group size nearest ``group_size`` (the larger on a tie);
+    ``default`` for one rank or where nothing was measured."""
+    if group_size <= 1 or not by_size:
+        return default
+    return by_size[str(min((int(k) for k in by_size), key=lambda s: (abs(s - group_size), -s)))]
