@@ -28,6 +28,14 @@ twice: with the shipped profile's collective tables and skew, and with tables of
 collectives timed alone and the skew measured in the same processes right after the steps
 (:func:`time_alone`), which takes this machine's drift (20-50% between runs) out of the
 comparison and leaves the overlap formulas' error.
+
+The ranks run with glibc told to keep the memory it frees (``--allocator keep``, the default:
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` set for the spawned
+ranks), as CUDA's caching allocator keeps its blocks. With glibc's default the backward hands
+large blocks back to the OS and every step's receive buffers are faulted in afresh, page by
+page, inside the transfer: 2 MiB received into a fresh tensor took 1.45 ms against 0.73 ms into
+a reused one (512 minor faults a call), which the collective tables, timed into reused buffers,
+do not hold. ``--allocator default`` measures that.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 from typing import Callable
 
 from autosp.costmodel.profile import load_profile
@@ -230,10 +239,14 @@ def main() -> None:
     ap.add_argument("--specs", nargs="+", default=["zigzag_ring", "allgather_kv", "allgather_kv:overlap",
                                                     "allgather_kv@zigzag", "allgather_kv:overlap@zigzag"],
                     help="strategies measured besides ulysses:cK (SPEC@zigzag: on the zigzag layout)")
+    ap.add_argument("--allocator", choices=["keep", "default"], default="keep",
+                    help="keep: glibc keeps freed memory (as a caching allocator does); default: glibc's own")
     args = ap.parse_args()
+    if args.allocator == "keep":            # read by glibc when each spawned rank starts
+        os.environ.update(KEEP_FREED_MEMORY)
     print(f"tiny Llama, S = {args.seq_len}, one thread per rank, median of {args.repeats} steps; exposed = "
           "seconds the most-waiting rank's compute waited on SP collectives per step; ratios against the "
-          "same strategy's blocking form (ulysses, allgather_kv on the same layout)")
+          f"same strategy's blocking form (ulysses, allgather_kv on the same layout); allocator: {args.allocator}")
     print("| ranks | strategy | step (s) | exposed, most-waiting rank (s) | / blocking | exposed, least-waiting "
           "rank (s) | / blocking | step / blocking | predicted step (s) | predicted exposed (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -278,6 +291,11 @@ def main() -> None:
             best = min(measured, key=lambda r: r["time"])
             print(f"| {world} | planner's choice: {pick} | measured best: {best['spec']} "
                   f"({pred_gap(rows, pick, best):+.1%} step vs the best) | | | | | | | |")
+
+
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "4294967296",     # no block of up to 4 GiB mmapped apart
+                     "MALLOC_TRIM_THRESHOLD_": "68719476736",    # free memory never returned to the OS
+                     "MALLOC_TOP_PAD_": "268435456"}             # the heap grown 256 MiB at a time
 
 
 def tiny_graph(seq_len: int):

@@ -226,7 +226,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         if distributed and n_dev > 1 and computes and "concurrency" in sections else None
     if concurrency and n_dev < world:
         concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
-    skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16) \
+    skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16, 8192 if quick else None) \
         if distributed and "sync_skew" in sections else None
     together = measure_issued_together(device, sync, groups, 3 if quick else 9) \
         if distributed and "issued_together" in sections else None

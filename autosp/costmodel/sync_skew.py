@@ -21,7 +21,7 @@ from autosp.tools.launch import median_time
 
 
 def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
-                      repeats: int = 15, pieces: int = 16) -> dict[str, Any]:
+                      repeats: int = 15, pieces: int = 16, long_rows: int | None = None) -> dict[str, Any]:
     """What a blocking collective costs right after compute beyond its time alone, per group size.
 
     The collective tables time collectives that every rank enters together (after a barrier).
@@ -37,11 +37,19 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     Its two parts, from every call's issue and return times on every rank (one host's monotonic
     clock; left out where a group spans hosts): the peers' lag (a rank waiting for the last to
     issue) and the transfer after the last rank issued. Where ranks share devices the transfer
-    itself is slower than alone: a rank that has its data computes again and takes a core from
-    a peer still receiving. ``transfer_seconds``:
-        transfer(p) = max(0, median over matmul sizes of T_loop - T_alone), at most skew(p),
+    itself is slower than alone: a rank that has its data computes again and holds a core a
+    peer still receiving waits for, up to the scheduler's time slice. So the transfer part grows
+    with the compute between collectives and levels off (4 ranks on 2 cores, 4 KiB all-to-alls
+    after matmuls of 288 x 288 by 0 / 512 / 2048 / 8192 / 32768 rows: 0.6 / 0.9 / 2.4 / 3.4 / 4.0
+    ms, medians of three measurements, the last 3.8-4.2 ms; the median over 512-8192 rows, less
+    the collective alone, came out -0.7 to 2.0 ms in four measurements); an attention step computes far longer between its collectives than the first points, so the
+    part is measured where it has levelled off, after ``long_rows`` x 288 x 288 matmuls:
+        transfer(p) = max(0, T_loop(long_rows) - T_alone),
     T = median over calls of the mean over ranks of (return - the last rank's issue). It is what
-    a timeline that splits waits this way counts as transfer (``bench/overlap.py``).
+    a timeline that splits waits this way counts as transfer (``bench/overlap.py``). It is
+    measured apart from skew(p), not bounded by it: skew(p) subtracts a collective alone that
+    ranks sharing cores also wait to be scheduled for (at 4 ranks on 2 cores it came out 0.0-3.9
+    ms in four measurements).
 
     The loop's wall time is the step's cost. The seconds a rank spends blocked are not: where
     ranks share cores, a waiting rank lets the other on its core run. Costed from the
@@ -52,6 +60,7 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
 
     rank = dist.get_rank()
     rows = (512, 2048, 8192) if device.type == "cpu" else (8192, 32768, 131072)
+    long_rows = long_rows or (32768 if device.type == "cpu" else 524288)
     seconds: dict[str, float] = {}
     transfer: dict[str, float] = {}
     for p, pg in sorted(groups, key=lambda g: g[0]):
@@ -70,7 +79,7 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
         start = lambda: (sync(), dist.barrier(group=pg))  # noqa: E731
         t_coll = median_time(coll, max(repeats, 15), barrier=start, sync=sync)
         transfer_alone = _transfer(stamps, pg)
-        extra, extra_transfer = [], []      # (the second stays empty where the group spans hosts)
+        extra = []
         for m in rows:
             a, b = torch.randn(m, 288, device=device), torch.randn(288, 288, device=device)
 
@@ -86,20 +95,25 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
                     coll()
 
             t_alone = median_time(alone, repeats, barrier=start, sync=sync)
-            stamps.clear()
             t_loop = median_time(blocking, repeats, barrier=start, sync=sync)
             extra.append((t_loop - t_alone) / pieces - t_coll)
-            in_loop = _transfer(stamps, pg)
-            if in_loop is not None and transfer_alone is not None:
-                extra_transfer.append(in_loop - transfer_alone)
         seconds[str(p)] = max(0.0, statistics.median(extra))
-        if extra_transfer:
-            transfer[str(p)] = min(seconds[str(p)], max(0.0, statistics.median(extra_transfer)))
+        if transfer_alone is not None:      # the transfer part after long compute (3 x 16 calls at least)
+            a, b = torch.randn(long_rows, 288, device=device), torch.randn(288, 288, device=device)
+            stamps.clear()
+            for _ in range(max(3, repeats // 3)):
+                start()
+                for _ in range(pieces):
+                    a @ b
+                    sync()
+                    coll()
+            in_loop = _transfer(stamps, pg)
+            transfer[str(p)] = max(0.0, in_loop - transfer_alone) if in_loop is not None else 0.0
         dist.barrier()
     return {"seconds": seconds, "transfer_seconds": transfer,
             "how": f"{pieces} x (matmul of {'/'.join(map(str, rows))} x 288 x 288, 4 KiB all-to-all) against "
                    f"each alone, median over matmul sizes of {repeats} runs each; transfer_seconds: the part "
-                   f"after the last rank issued"}
+                   f"after the last rank issued, after {long_rows}-row matmuls, over one alone"}
 
 
 def _transfer(stamps: list[tuple[float, float]], group: Any) -> float | None:
