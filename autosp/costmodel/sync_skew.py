@@ -42,8 +42,9 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
     with the compute between collectives and levels off (4 ranks on 2 cores, 4 KiB all-to-alls
     after matmuls of 288 x 288 by 0 / 512 / 2048 / 8192 / 32768 rows: 0.6 / 0.9 / 2.4 / 3.4 / 4.0
     ms, medians of three measurements, the last 3.8-4.2 ms; the median over 512-8192 rows, less
-    the collective alone, came out -0.7 to 2.0 ms in four measurements); an attention step computes far longer between its collectives than the first points, so the
-    part is measured where it has levelled off, after ``long_rows`` x 288 x 288 matmuls:
+    the collective alone, came out -0.7 to 2.0 ms in four measurements); an attention step
+    computes far longer between its collectives than the first points, so the part is measured
+    where it has levelled off, after ``long_rows`` x 288 x 288 matmuls:
         transfer(p) = max(0, T_loop(long_rows) - T_alone),
     T = median over calls of the mean over ranks of (return - the last rank's issue). It is what
     a timeline that splits waits this way counts as transfer (``bench/overlap.py``). It is
@@ -79,6 +80,13 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
         start = lambda: (sync(), dist.barrier(group=pg))  # noqa: E731
         t_coll = median_time(coll, max(repeats, 15), barrier=start, sync=sync)
         transfer_alone = _transfer(stamps, pg)
+
+        def blocking(a: torch.Tensor, b: torch.Tensor) -> None:
+            for _ in range(pieces):
+                a @ b
+                sync()
+                coll()
+
         extra = []
         for m in rows:
             a, b = torch.randn(m, 288, device=device), torch.randn(288, 288, device=device)
@@ -88,27 +96,17 @@ def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: li
                     a @ b
                 sync()
 
-            def blocking() -> None:
-                for _ in range(pieces):
-                    a @ b
-                    sync()
-                    coll()
-
             t_alone = median_time(alone, repeats, barrier=start, sync=sync)
-            t_loop = median_time(blocking, repeats, barrier=start, sync=sync)
+            t_loop = median_time(lambda: blocking(a, b), repeats, barrier=start, sync=sync)
             extra.append((t_loop - t_alone) / pieces - t_coll)
         seconds[str(p)] = max(0.0, statistics.median(extra))
-        if transfer_alone is not None:      # the transfer part after long compute (3 x 16 calls at least)
+        if transfer_alone is not None:      # one host: the transfer part, after long compute
             a, b = torch.randn(long_rows, 288, device=device), torch.randn(288, 288, device=device)
             stamps.clear()
             for _ in range(max(3, repeats // 3)):
                 start()
-                for _ in range(pieces):
-                    a @ b
-                    sync()
-                    coll()
-            in_loop = _transfer(stamps, pg)
-            transfer[str(p)] = max(0.0, in_loop - transfer_alone) if in_loop is not None else 0.0
+                blocking(a, b)
+            transfer[str(p)] = max(0.0, _transfer(stamps, pg) - transfer_alone)
         dist.barrier()
     return {"seconds": seconds, "transfer_seconds": transfer,
             "how": f"{pieces} x (matmul of {'/'.join(map(str, rows))} x 288 x 288, 4 KiB all-to-all) against "
