@@ -27,7 +27,10 @@ receiving) and without the compute slowdown (the quantity the timeline's transfe
 twice: with the shipped profile's collective tables and skew, and with tables of the step's own
 collectives timed alone and the skew measured in the same processes right after the steps
 (:func:`time_alone`), which takes this machine's drift (20-50% between runs) out of the
-comparison and leaves the overlap formulas' error.
+comparison and leaves the overlap formulas' error. The tables are timed right after a barrier, as
+``autosp profile`` times them; a third prediction takes them timed after the ranks idled 100 ms,
+the other end of the range ``bench/exchange_in_step.py`` finds a step's exchanges in (at 2 ranks
+the step's lie between the two).
 
 The ranks run with glibc told to keep the memory it frees (``--allocator keep``, the default:
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` set for the spawned
@@ -106,15 +109,15 @@ def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str,
                  critical=statistics.median(min(w) for w in waited[spec]),
                  loss=losses[spec], calls=calls[spec], split=_split_medians(split[spec]))
             for spec in specs]
-    alone = time_alone(sizes, repeats=9)
+    alone = {regime: time_alone(sizes, repeats=9, idle=idle) for regime, idle in (("barrier", 0.0), ("idle", 0.1))}
     world = dist.get_world_size()
     return rows, alone, measure_sync_skew(torch.device("cpu"), lambda: None, [(world, None)], repeats=7)
 
 
-def time_alone(sizes: list[tuple[str, int, int]], repeats: int) -> dict[tuple[str, int], float]:
+def time_alone(sizes: list[tuple[str, int, int]], repeats: int, idle: float = 0.0) -> dict[tuple[str, int], float]:
     """Seconds of each (collective, group, per-rank bytes) alone, issued as the strategies' ops
     issue it (a fresh output each call; gloo's reduce-scatter is an all-reduce), the ranks
-    starting together after a barrier. Per call the least-waiting rank's time (the last to
+    starting together after a barrier (and ``idle`` seconds of sleep after it). Per call the least-waiting rank's time (the last to
     arrive waits for the transfer only), median over calls: the table the step's transfers
     would have if profiled now, on this machine as loaded as the steps found it."""
     import statistics
@@ -140,6 +143,7 @@ def time_alone(sizes: list[tuple[str, int, int]], repeats: int) -> dict[tuple[st
         took = []
         for _ in range(repeats + 1):                # the first call warms up
             dist.barrier()
+            time.sleep(idle)
             t0 = time.perf_counter()
             fn()
             took.append(time.perf_counter() - t0)
@@ -198,10 +202,10 @@ def with_tables(prof, world: int, alone: dict[tuple[str, int], float], skew: dic
     return dataclasses.replace(prof, data=data)
 
 
-def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tuple[str, int], float],
+def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str, dict[tuple[str, int], float]],
               skew: dict) -> tuple[dict[str, tuple[float, ...]], dict[str, str]]:
-    """Per spec: (step, exposed, transfer waits with the shipped tables, transfer waits with the
-    tables timed in the run); and the planner's choice within each family."""
+    """Per spec: (step, exposed, transfer waits with the shipped tables, with the tables timed in
+    the run after a barrier, and after 100 ms idle); and the planner's choice within each family."""
     from autosp.costmodel.predict import predict
     from autosp.costmodel.profile import load_profile
     from autosp.planner.search import plan
@@ -213,7 +217,7 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tup
     shipped = dataclasses.replace(prof, data=copy.deepcopy(prof.data))
     shipped.data["sync_skew"] = {"seconds": dict(prof.data.get("sync_skew", {}).get("transfer_seconds", {}))}
     shipped.data.setdefault("concurrency", {})["compute_slowdown"] = 1.0
-    now = with_tables(prof, world, alone, skew)
+    now = {regime: with_tables(prof, world, tables, skew) for regime, tables in alone.items()}
     out = {}
     for spec in specs:
         strategy, _, layout = spec.partition("@")
@@ -221,7 +225,8 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[tup
                   devices_per_node=world)       # every rank on this machine
         p = predict(graph, prof, **kw)
         out[spec] = (p.total_s, p.attention_exposed_s, predict(graph, shipped, **kw).attention_exposed_s,
-                     predict(graph, now, **kw).attention_exposed_s)
+                     predict(graph, now["barrier"], **kw).attention_exposed_s,
+                     predict(graph, now["idle"], **kw).attention_exposed_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
         best = plan(None, graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
@@ -270,19 +275,23 @@ def main() -> None:
         shipped = load_profile("cpu-gloo")
         print(f"\n{world} ranks, the step's collectives alone now (ms) against the shipped table: " + ", ".join(
             f"{name} {nbytes / 2**20:.1f} MiB {t * 1e3:.2f} vs {shipped.collective_time(name, world, nbytes) * 1e3:.2f}"
-            for (name, nbytes), t in sorted(alone.items())))
+            for (name, nbytes), t in sorted(alone["barrier"].items())))
+        print(f"{world} ranks, the same after 100 ms idle (ms): " + ", ".join(
+            f"{name} {nbytes / 2**20:.1f} MiB {t * 1e3:.2f}" for (name, nbytes), t in sorted(alone["idle"].items())))
         print(f"{world} ranks, sync skew now (ms): {skew['seconds'][str(world)] * 1e3:.2f}, of it after the last rank "
               f"issued {skew.get('transfer_seconds', {}).get(str(world), 0.0) * 1e3:.2f}; shipped "
               f"{shipped.sync_skew(world) * 1e3:.2f}, {shipped.sync_skew(world, transfer_only=True) * 1e3:.2f}")
         print("\n| ranks | strategy | most-waiting rank: peers' lag / transfer (s) | least-waiting rank: peers' lag "
               "/ transfer (s) | transfer, mean over ranks (s) | / blocking | predicted transfer, shipped tables (s) "
-              "| error | predicted transfer, tables timed now (s) | error |\n|---|---|---|---|---|---|---|---|---|---|")
+              "| error | predicted transfer, tables timed now (s) | error | the same, tables timed after 100 ms idle (s) "
+              "| error |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             (ml, mt), (ll, lt), (_, mean) = r["split"]["most"], r["split"]["least"], r["split"]["mean"]
             base = by_spec.get(blocking_form(r["spec"]), r)["split"]["mean"][1]
-            _, _, p_shipped, p_now = pred[r["spec"]]
+            _, _, p_shipped, p_now, p_idle = pred[r["spec"]]
             print(f"| {world} | {r['spec']} | {ml:.3f} / {mt:.3f} | {ll:.3f} / {lt:.3f} | {mean:.3f} | "
-                  f"{ratio(mean, base)} | {p_shipped:.3f} | {error(p_shipped, mean)} | {p_now:.3f} | {error(p_now, mean)} |")
+                  f"{ratio(mean, base)} | {p_shipped:.3f} | {error(p_shipped, mean)} | {p_now:.3f} | {error(p_now, mean)} "
+                  f"| {p_idle:.3f} | {error(p_idle, mean)} |")
         print()
         for family, pick in chosen.items():
             measured = [r for r in rows if r["spec"].split("@")[0].split(":")[0] == family and "@" not in r["spec"]]
