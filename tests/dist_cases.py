@@ -113,6 +113,10 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
                                         vocab_size=128, attn_implementation="eager")
         return transformers.AutoModelForCausalLM.from_config(cfg)
+    if kind == "falcon_alibi":    # multi-query (one K/V head); ALiBi's bias reaches SDPA inside a dense mask
+        return transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
+            hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads, multi_query=True,
+            new_decoder_architecture=False, alibi=True, **common))
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)

@@ -74,6 +74,20 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
         check_ran(res[0], "ulysses", world=2)
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+def test_falcon_multi_query_with_alibi_in_a_dense_mask_is_exact(pool, strategy):
+    # The mask is materialized, so SDPA's grouped-query path is off and transformers (5.25 on)
+    # repeats the one K/V head over the query heads before SDPA: the sharded mask must follow.
+    res = run_ok(pool, "train_compare", kind="falcon_alibi", strategy=strategy)
+    check_exact(res, [strategy] * 2)
+    check_ran(res[0], strategy, world=2)
+    import transformers
+    from packaging.version import Version
+
+    kv = 4 if Version(transformers.__version__) >= Version("5.25") else 1     # K/V heads SDPA was handed
+    assert [a["kv_heads"] for a in res[0]["report"]["attention"]] == [kv] * 2, res[0]["report"]["attention"]
+
+
 @pytest.mark.parametrize("strategy,compiler,cfg", [
     ("ulysses:c2", "eager", dict(heads=4, kv=2)),       # KV heads repeated so that each group has its own
     ("ulysses:c4", "eager", dict(heads=8, kv=8)),
