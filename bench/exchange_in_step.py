@@ -84,9 +84,11 @@ def measure(strategy: str, seq_len: int, steps: int, repeats: int = 9) -> dict:
 
 
 def _transfer(calls: list[tuple[float, float, int, int]]) -> float:
-    """One exchange on every rank: mean over ranks of (return - the last rank's issue)."""
-    last = max(c[0] for c in calls)
-    return sum(max(0.0, c[1] - last) for c in calls) / len(calls)
+    """One exchange on every rank (issue, return, ...): its transfer part as the overlap bench's
+    timeline counts it (:func:`autosp.strategies.collectives.split_waits`), mean over ranks."""
+    from autosp.strategies.collectives import split_waits
+
+    return statistics.mean(transfer for _, transfer in split_waits([[(c[0], c[0], c[1])] for c in calls]))
 
 
 def main() -> None:

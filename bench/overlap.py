@@ -117,9 +117,10 @@ def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str,
 def time_alone(sizes: list[tuple[str, int, int]], repeats: int, idle: float = 0.0) -> dict[tuple[str, int], float]:
     """Seconds of each (collective, group, per-rank bytes) alone, issued as the strategies' ops
     issue it (a fresh output each call; gloo's reduce-scatter is an all-reduce), the ranks
-    starting together after a barrier (and ``idle`` seconds of sleep after it). Per call the least-waiting rank's time (the last to
-    arrive waits for the transfer only), median over calls: the table the step's transfers
-    would have if profiled now, on this machine as loaded as the steps found it."""
+    starting together after a barrier (and ``idle`` seconds of sleep after it). Per call the
+    least-waiting rank's time (the last to arrive waits for the transfer only), median over
+    calls: the table the step's transfers would have if profiled now, on this machine as loaded
+    as the steps found it."""
     import statistics
     import time
 

@@ -134,6 +134,17 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+def falcon_sdpa_kv_heads(heads: int) -> int:
+    """The K/V heads SDPA is handed by a multi-query Falcon of ``heads`` query heads. From
+    transformers 5.25 Falcon always materializes its causal mask (ALiBi is added onto it) and SDPA's
+    grouped-query path takes no mask, so the one K/V head is repeated over the query heads before
+    SDPA (and SP exchanges them all); before, SDPA got the one."""
+    import transformers
+    from packaging.version import Version
+
+    return heads if Version(transformers.__version__) >= Version("5.25") else 1
+
+
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
           **extra: torch.Tensor) -> torch.Tensor:
     if kind.startswith("reference") or kind.startswith("token_local"):

@@ -133,13 +133,6 @@ def _hf(kind: str):
     return dist_cases.build(kind, **({"sliding_window": 8} if kind == "mistral" else {}))
 
 
-def _transformers_at_least(version: str) -> bool:
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) >= Version(version)
-
-
 @pytest.mark.parametrize("kind", ["falcon_mqa", "mixtral", "qwen2_moe", "mistral"])
 def test_the_planner_plans_the_models_the_transform_runs(kind):
     from autosp.graph.ops import OpKind
@@ -148,10 +141,9 @@ def test_the_planner_plans_the_models_the_transform_runs(kind):
     attn = [op.attention for op in g.nodes(phase="fwd", kind=OpKind.ATTENTION)]
     assert len(attn) == 2                                  # one fused attention op per layer
     if kind == "falcon_mqa":
-        # From transformers 5.25 Falcon always materializes its causal mask (ALiBi is added onto it),
-        # and SDPA's grouped-query path takes no mask: the one K/V head is repeated over the 4 query
-        # heads before SDPA, so the op (and what SP exchanges for it) has 4. Before, SDPA got 1.
-        assert [a.kv_heads for a in attn] == [4 if _transformers_at_least("5.25") else 1] * 2
+        from dist_cases import falcon_sdpa_kv_heads
+
+        assert [a.kv_heads for a in attn] == [falcon_sdpa_kv_heads(4)] * 2
     if kind == "mistral":                                  # the sliding window is known to the costs
         assert [(a.masked, a.causal, a.window) for a in attn] == [(True, True, 8)] * 2
     if kind in ("mixtral", "qwen2_moe"):                   # experts' grouped matmuls carry their FLOPs

@@ -81,11 +81,9 @@ def test_falcon_multi_query_with_alibi_in_a_dense_mask_is_exact(pool, strategy):
     res = run_ok(pool, "train_compare", kind="falcon_alibi", strategy=strategy)
     check_exact(res, [strategy] * 2)
     check_ran(res[0], strategy, world=2)
-    import transformers
-    from packaging.version import Version
+    from dist_cases import falcon_sdpa_kv_heads
 
-    kv = 4 if Version(transformers.__version__) >= Version("5.25") else 1     # K/V heads SDPA was handed
-    assert [a["kv_heads"] for a in res[0]["report"]["attention"]] == [kv] * 2, res[0]["report"]["attention"]
+    assert [a["kv_heads"] for a in res[0]["report"]["attention"]] == [falcon_sdpa_kv_heads(4)] * 2, res[0]["report"]
 
 
 @pytest.mark.parametrize("strategy,compiler,cfg", [
