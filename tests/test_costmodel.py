@@ -239,6 +239,23 @@ def test_first_groups_inputs_issued_where_made_hide_behind_the_prologue(llama8b)
     assert w["v"] > w["q"] > w["k"] >= 0, w           # K made last, right before the attention
 
 
+def test_exposed_attention_communication_splits_into_forward_and_backward(llama8b):
+    prof = load_profile("h100-sxm")
+    res = {st: predict(llama8b, prof, sp=8, strategy=st, seq_len=32768)
+           for st in ("ulysses", "ulysses:c4", "zigzag_ring")}
+    # blocking Ulysses moves the same all-to-alls each way: half of its exposure is the backward's
+    u = res["ulysses"]
+    assert u.attention_exposed_s > 0 and u.attention_exposed_bwd_s == pytest.approx(u.attention_exposed_s / 2)
+    # the ring's forward hops hide behind its blocks; what stays exposed is the backward's final
+    # hop of the dK/dV accumulators, which nothing follows
+    r = res["zigzag_ring"]
+    assert r.attention_exposed_bwd_s == pytest.approx(r.attention_exposed_s) and r.attention_exposed_s > 0
+    # pipelined: the forward's first inputs hide behind the prologue, the backward waits for
+    # every group's output gradient at once, so the backward holds more than half
+    c = res["ulysses:c4"]
+    assert c.attention_exposed_s / 2 < c.attention_exposed_bwd_s < c.attention_exposed_s
+
+
 def test_output_gradients_issued_together_share_the_link_as_the_profile_measured():
     # Backward in 4 head groups: each group's output gradient (1 s, issued by all groups at once
     # at the phase's start), its dQ (1 s) and dK, dV (1 s each); the kernels' backward 8 s.

@@ -31,6 +31,7 @@ layers not traced, and the strategy's workspace around attention.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autosp.costmodel.memory import (decided_peak, dtype_bytes, liveness_peak, model_states, peak_terms,
@@ -67,6 +68,7 @@ class Prediction:
     phases: dict | None = None          # where the schedule peaks (autosp.costmodel.memory._phases)
     attention_comm_s: float = 0.0
     attention_exposed_s: float = 0.0
+    attention_exposed_bwd_s: float = 0.0  # of it, the backward's (the forward's is the rest)
     attention_saved: dict | None = None  # per layer class: bytes one layer's strategy keeps for backward
     gradient_comm_s: float = 0.0
     gradient_exposed_s: float = 0.0     # of it, what the compute waits for (ZeRO gathers included)
@@ -175,6 +177,9 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd, early)
                 p.attention_comm_s += w * comm
                 p.attention_exposed_s += w * exposed
+                # the formulas group transfers by phase, so the backward's alone is its share
+                backward = dataclasses.replace(cost, transfers=[t for t in cost.transfers if t.phase == "bwd"])
+                p.attention_exposed_bwd_s += w * transfer_times(profile, backward, t_fwd, t_bwd, early)[1]
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
             t = _op_time(a, profile, s_loc, share, dtype)
