@@ -227,8 +227,8 @@ def with_tables(prof, world: int, alone: dict[tuple[str, int], float], skew: dic
 def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str, dict[tuple[str, int], float]],
               skew: dict) -> tuple[dict[str, tuple[float, ...]], dict[str, str]]:
     """Per spec: (step, exposed, transfer waits with the shipped tables, with the tables timed in
-    the run after a barrier, and after 100 ms idle, and the backward's share of the second to
-    last); and the planner's choice within each family."""
+    the run after a barrier, with them timed after 100 ms idle, and the backward's share of the
+    in-run-barrier prediction); and the planner's choice within each family."""
     from autosp.costmodel.predict import predict
     from autosp.costmodel.profile import load_profile
     from autosp.planner.search import plan
@@ -385,9 +385,9 @@ def interval(stat: Callable[[list[int]], float], rounds: int, draws: int = 2000)
     import random
 
     rng = random.Random(0)
-    draws_ = sorted(v for v in (stat([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(draws))
+    values = sorted(v for v in (stat([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(draws))
                     if not math.isnan(v))
-    return (draws_[int(0.05 * len(draws_))], draws_[int(0.95 * len(draws_)) - 1]) if draws_ else (math.nan, math.nan)
+    return (values[int(0.05 * len(values))], values[int(0.95 * len(values)) - 1]) if values else (math.nan, math.nan)
 
 
 def _median_of(values: list[float], idx: list[int]) -> float:
