@@ -147,7 +147,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     share = max(1.0, min(sp * dp, dpn) / profile.devices_per_node)
     overhead = share * profile.op_overhead_s
     # Per attention shape: its cost and kernel times (forward, backward), computed once.
-    costs: dict[AttentionShape, tuple[AttentionCost, float, float]] = {}
+    # (cost, forward kernels, backward kernels, the backward's exposed transfers)
+    costs: dict[AttentionShape, tuple[AttentionCost, float, float, float]] = {}
     p = Prediction(strategy=strat.spec, sp=sp, dp=dp, seq_len=S, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
                    total_s=0.0, memory={}, peak_bytes=0.0, model_flops=0.0, mfu=0.0, tokens_per_s=0.0)
     workspace = backward_s = 0.0
@@ -164,9 +165,13 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                                       f"it {reason}")
                 cost = strat.cost(shape, mesh)
                 copy = share * profile.memory_bound_time(cost.copy_bytes) if cost.copy_bytes else 0.0
-                costs[shape] = (cost, kernel_time(profile, cost, dtype, False, share) + copy,
-                                kernel_time(profile, cost, dtype, True, share) + copy)
-            cost, t_fwd, t_bwd = costs[shape]
+                t_fwd = kernel_time(profile, cost, dtype, False, share) + copy
+                t_bwd = kernel_time(profile, cost, dtype, True, share) + copy
+                # the formulas group transfers by phase, so the backward's alone is its share; it
+                # does not depend on where the forward makes q, k, v
+                backward = dataclasses.replace(cost, transfers=[tr for tr in cost.transfers if tr.phase == "bwd"])
+                costs[shape] = (cost, t_fwd, t_bwd, transfer_times(profile, backward, t_fwd, t_bwd)[1])
+            cost, t_fwd, t_bwd, bwd_exposed = costs[shape]
             t = t_bwd if a.phase == "bwd" else t_fwd
             if a.phase == "bwd":
                 p.attention_bwd_s += w * t
@@ -177,9 +182,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd, early)
                 p.attention_comm_s += w * comm
                 p.attention_exposed_s += w * exposed
-                # the formulas group transfers by phase, so the backward's alone is its share
-                backward = dataclasses.replace(cost, transfers=[t for t in cost.transfers if t.phase == "bwd"])
-                p.attention_exposed_bwd_s += w * transfer_times(profile, backward, t_fwd, t_bwd, early)[1]
+                p.attention_exposed_bwd_s += w * bwd_exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
             t = _op_time(a, profile, s_loc, share, dtype)
