@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer points, about a minute on a 2-core CPU")
     p.add_argument("--budget", type=float, default=None, help="stop measuring after this many seconds")
     p.add_argument("--only", nargs="+",
-                   choices=("compute", "collectives", "concurrency", "sync_skew", "issued_together"),
+                   choices=("compute", "collectives", "concurrency", "sync_skew"),
                    help="measure these sections only; an existing --out keeps the others")
     p.set_defaults(func=cmd_profile)
 

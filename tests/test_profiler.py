@@ -38,11 +38,6 @@ def test_profile_on_two_ranks_writes_a_profile_the_planner_reads(tmp_path):
     # apart from the whole), and how
     assert list(doc["sync_skew"]["transfer_seconds"]) == ["2"] and doc["sync_skew"]["transfer_seconds"]["2"] >= 0.0
     assert "after 8192-row matmuls" in doc["sync_skew"]["how"]
-    # the first of 4 all-to-alls issued at once over one alone, from the times it measured, bounded
-    # by one after another (1) and all 4 in turn (4)
-    alone, together = doc["issued_together"]["seconds"]["2"]
-    assert list(doc["issued_together"]["first_done"]) == ["2"] and 0 < alone and 0 < together
-    assert doc["issued_together"]["first_done"]["2"] == pytest.approx(min(4.0, max(1.0, together / alone)))
     assert doc["threads_per_device"] == 1                  # a CPU profile: its head counts are pooled
     prof = load_profile(str(out))
     g = capture(ModelSource("heldout-a", hf_config=held_out_config("heldout-a")), seq_len=1024, dtype="float32")
@@ -99,19 +94,6 @@ def test_the_timeline_splits_each_wait_into_peers_lag_and_transfer():
         [(0.5, 1.5), (0.0, 1.0)]
     with pytest.raises(AutospError, match="timelines hold \\[1, 2\\] exchanges"):
         split_waits([[(0.0, 0.0, 1.0)], [(0.0, 0.0, 1.0), (1.0, 1.0, 2.0)]])
-
-
-def test_the_profile_says_how_collectives_issued_together_share_the_link(tmp_path):
-    # The shipped CPU profile measured it (gloo moves them side by side); a published GPU profile
-    # says nothing: NCCL's one stream runs them in issue order, the first as if alone.
-    cpu = load_profile("cpu-gloo")
-    assert cpu.issued_together(2) > 1.5 and cpu.issued_together(4) > 1.2
-    assert cpu.issued_together(8) == cpu.issued_together(4) and cpu.issued_together(1) == 1.0
-    assert load_profile("h100-sxm").issued_together(8) == 1.0
-    doc = json.loads(json.dumps(cpu.data))
-    doc["issued_together"] = {"first_done": {"2": 0.9}}               # a faster first is noise: 1.0
-    (tmp_path / "p.json").write_text(json.dumps(doc))
-    assert load_profile(str(tmp_path / "p.json")).issued_together(2) == 1.0
 
 
 def test_collectives_pay_the_profiles_sync_skew_where_no_compute_hides_it(tmp_path):

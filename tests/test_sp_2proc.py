@@ -101,7 +101,7 @@ def test_ulysses_in_pipelined_head_groups_is_exact(pool, strategy, compiler, cfg
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_the_first_head_groups_exchanges_start_where_q_k_v_are_made(pool, compiler):
+def test_the_first_head_groups_exchanges_start_where_q_k_v_are_made_and_the_backward_pipelines(pool, compiler):
     # HF Llama makes V (its projection) before Q and K (after RoPE): V's exchange of the first head
     # group is issued first, Q's and K's as RoPE makes each; inside the attention they would all
     # start together, in the order q, k, v.
@@ -117,6 +117,14 @@ def test_the_first_head_groups_exchanges_start_where_q_k_v_are_made(pool, compil
             assert v[0] < q[0] < k[0] <= q[1], (layer, q, k, v)
             # the second group's start at the attention, after the first group's all started
             assert all(later[0] >= k[0] for later in tl[8 * layer + 3: 8 * layer + 6]), tl[8 * layer: 8 * layer + 8]
+        # The backward, per layer: the last group's output gradient is issued and waited for alone;
+        # only then is the first group's issued, and it moves during the last group's attention
+        # backward, which ends by issuing that group's dQ, dK, dV (waited for later)
+        for layer in range(2):
+            back = tl[16 + 8 * layer: 24 + 8 * layer]
+            last_out, first_out, last_qkv = back[0], back[1], back[2:5]
+            assert last_out[1] <= first_out[0], back
+            assert all(first_out[0] < issued <= first_out[1] for issued, _ in last_qkv), back
 
 
 def test_overlap_false_runs_the_plain_form(pool):

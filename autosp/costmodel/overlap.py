@@ -32,15 +32,8 @@ the attention waits for them
     wait = max(0, max_i (sum over j issued no earlier than i of t_j) - w_i)
 in place of their sum in a; the part hidden (sum t_i - wait) slows that compute by s_compute.
 
-Transfers every group issues at once at the phase's start (``together``: the output gradients,
-b of a group's a) share the link as the backend runs them side by side: the first wait sees
-m = min(k, r) of them, r the profile's ``issued_together`` (1 on one FIFO stream, about 2.4 on
-gloo), the rest arrive beside the first group's kernel:
-    exposed = (a - b) + m * b + 2 * skew + (k - 1) * max(0, s_comm * (a - b) - K / k)
-              + (s_compute - 1) * (min((k - 1) / k * K, (k - 1) * s_comm * (a - b))
-                                   + min(K / k, s_comm * (k - m) * b))
-(the timeline of ``bench/overlap.py`` on 2 gloo ranks: the backward's first wait 2.7-3.8 ms at
-k = 1, 2.7-4.2 at k = 2, 4.2-5.3 at k = 4, about the whole output gradient's transfer whatever k).
+The backward runs the same pipeline in reverse (a = one group's output gradient in and its dQ,
+dK, dV back): the last group's output gradient and the first group's dQ, dK, dV wait in full.
 """
 
 from __future__ import annotations
@@ -60,8 +53,6 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
     meet: dict[tuple[str, int], float] = {}            # (phase, k) -> the sync skew of one of its waits
     side: dict[tuple[str, float], float] = {}          # (phase, f) -> transfers beside that share of kernels
     leads: dict[tuple[str, int], list[tuple[float, float]]] = {}   # (phase, k) -> (window, transfer) per input
-    together: dict[tuple[str, int], float] = {}        # (phase, k) -> one group's transfers issued with all groups'
-    side_by_side: dict[tuple[str, int], float] = {}    # (phase, k) -> the profile's issued_together
     for tr in cost.transfers:
         table = profile.collective_time(tr.collective, tr.group, tr.nbytes, tr.inter)
         kernel = t_fwd if tr.phase == "fwd" else t_bwd
@@ -69,9 +60,6 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
             comm += tr.pipeline * tr.count * table
             group[(tr.phase, tr.pipeline)] = group.get((tr.phase, tr.pipeline), 0.0) + tr.count * table
             meet[(tr.phase, tr.pipeline)] = profile.sync_skew(tr.group)
-            if tr.together:
-                together[(tr.phase, tr.pipeline)] = together.get((tr.phase, tr.pipeline), 0.0) + tr.count * table
-                side_by_side[(tr.phase, tr.pipeline)] = profile.issued_together(tr.group)
             if tr.lead:
                 window = (made_before or {}).get(tr.lead, 0.0)
                 leads.setdefault((tr.phase, tr.pipeline), []).extend([(window, table)] * tr.count)
@@ -91,12 +79,8 @@ def transfer_times(profile: HardwareProfile, cost: AttentionCost, t_fwd: float, 
         comm += 2 * meet[(phase, k)]
         lead = leads.get((phase, k), [])
         waited, early = first_inputs_exposed(lead), sum(t for _, t in lead)
-        b = together.get((phase, k), 0.0)
-        m = min(k, side_by_side.get((phase, k), 1.0))
-        exposed += a - b - early + waited + m * b + 2 * meet[(phase, k)] + \
-            (k - 1) * max(0.0, s_comm * (a - b) - kernel / k)
-        exposed += (s_compute - 1) * (min((k - 1) / k * kernel, (k - 1) * s_comm * (a - b)) + early - waited +
-                                      min(kernel / k, s_comm * (k - m) * b))
+        exposed += a - early + waited + 2 * meet[(phase, k)] + (k - 1) * max(0.0, s_comm * a - kernel / k)
+        exposed += (s_compute - 1) * (min((k - 1) / k * kernel, (k - 1) * s_comm * a) + early - waited)
     for (phase, f), a in side.items():
         hidden_by = f * (t_fwd if phase == "fwd" else t_bwd)
         exposed += max(0.0, s_comm * a - hidden_by) + (s_compute - 1) * min(hidden_by, s_comm * a)

@@ -180,16 +180,6 @@ class HardwareProfile:
         by_size = self.data.get("sync_skew", {}).get("transfer_seconds" if transfer_only else "seconds", {})
         return float(_nearest_group(by_size, group_size, 0.0))
 
-    def issued_together(self, group_size: int) -> float:
-        """How long the first of several equal collectives over ``group_size`` ranks, issued back
-        to back, takes to complete, in units of one alone (``autosp profile``'s
-        ``issued_together``, four issued at once; the nearest measured group size): 1.0 where the
-        backend runs a group's collectives one after another in issue order, and where the profile
-        says nothing (published profiles: NCCL runs a process group's collectives on one stream);
-        more where it moves them side by side (gloo's worker threads share the link)."""
-        by_size = self.data.get("issued_together", {}).get("first_done", {})
-        return max(1.0, float(_nearest_group(by_size, group_size, 1.0)))
-
     def peak_flops(self, dtype: str) -> float:
         """The denominator of MFU: the cited peak, or the best observed matmul rate over its stated
         efficiency."""

@@ -11,12 +11,11 @@ group and, when the world has 4+ ranks, over its first 2, and rank 0 and its dev
 the concurrency measurement: how much an all-to-all and a matmul slow each other down when
 they run at once (what an overlapped schedule gets; see :func:`measure_concurrency`), and in
 the sync-skew measurement: what a blocking collective costs after compute beyond its time
-alone (:func:`measure_sync_skew`), and in how several collectives issued at once share the
-link (:func:`measure_issued_together`). Each
+alone (:func:`measure_sync_skew`). Each
 point: warm-up, repeats, median; tables are made monotone when loaded. A time budget bounds
 the whole run (``--quick``: about 1 minute on a 2-core CPU); every rank stops at the same
 point. ``--only SECTION ...`` measures some sections (compute, collectives, concurrency,
-sync_skew, issued_together) and, where ``--out`` exists, replaces only those in it.
+sync_skew) and, where ``--out`` exists, replaces only those in it.
 
 The CPU grid is generic: square and rectangular matmuls at dimensions 112, 288 and 1152 over
 128-8192 rows, attention at 2 and 8 heads and head dims 24 and 96 (the cost model
@@ -38,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autosp.costmodel.profile import SCHEMA
-from autosp.costmodel.sync_skew import measure_issued_together, measure_sync_skew
+from autosp.costmodel.sync_skew import measure_sync_skew
 from autosp.errors import AutospError
 from autosp.tools.launch import median_time
 
@@ -94,7 +93,7 @@ def _grids(quick: bool, cuda: bool) -> dict[str, list]:
     return {"matmul": mm, "attention": attn, "memory": mem, "collective": coll}
 
 
-SECTIONS = ("compute", "collectives", "concurrency", "sync_skew", "issued_together")
+SECTIONS = ("compute", "collectives", "concurrency", "sync_skew")
 
 
 def measure(out: str, quick: bool = False, budget_s: float | None = None,
@@ -228,8 +227,6 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         concurrency["how"] += f"; on ranks 0-{n_dev - 1} of {world} (one per device)"
     skew = measure_sync_skew(device, sync, groups, 5 if quick else 15, 8 if quick else 16, 8192 if quick else None) \
         if distributed and "sync_skew" in sections else None
-    together = measure_issued_together(device, sync, groups, 3 if quick else 9) \
-        if distributed and "issued_together" in sections else None
     if rank != 0:
         return {}
     doc = {
@@ -250,8 +247,6 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
         doc["concurrency"] = concurrency
     if skew:
         doc["sync_skew"] = skew
-    if together:
-        doc["issued_together"] = together
     if only:
         doc = _merged(out, doc, sections)
     with open(out, "w") as f:
@@ -265,7 +260,7 @@ def _merged(out: str, doc: dict, sections: set[str]) -> dict:
     with open(out) as f:
         old = json.load(f)
     keys = {"compute": ("compute", "op_overhead_s", "threads_per_device"), "collectives": ("collectives",),
-            "concurrency": ("concurrency",), "sync_skew": ("sync_skew",), "issued_together": ("issued_together",)}
+            "concurrency": ("concurrency",), "sync_skew": ("sync_skew",)}
     for section in sorted(sections):
         for key in keys[section]:
             if key in doc:

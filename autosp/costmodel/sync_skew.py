@@ -1,5 +1,4 @@
-"""The sync skew of a profile: what a collective costs when ranks arrive from their own compute;
-and what one costs when several are issued at once (:func:`measure_issued_together`).
+"""The sync skew of a profile: what a collective costs when ranks arrive from their own compute.
 
 ``autosp profile`` times every collective after a barrier, every rank entering together; in a
 training step they arrive at their own pace, and where ranks share devices (4 processes on 2
@@ -130,47 +129,3 @@ def _transfer(stamps: list[tuple[float, float]], group: Any) -> float | None:
         last = max(s[i][0] for s in calls)
         per_call.append(sum(max(0.0, s[i][1] - last) for s in calls) / len(calls))
     return statistics.median(per_call)
-
-
-def measure_issued_together(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],
-                            repeats: int = 9, n: int = 4, nbytes: int = 2 << 20) -> dict[str, Any]:
-    """How long the first of ``n`` equal all-to-alls issued back to back takes to complete, over
-    one issued alone, per group size (``groups``: (p, group)); rank 0's medians.
-
-    Pipelined Ulysses' backward issues every head group's output gradient at once (autograd
-    hands them over together): where the backend moves its collectives one after another in
-    issue order (NCCL: one stream) the first arrives as if alone (1.0); where it runs them side
-    by side they share the link and the first arrives later (gloo: its worker threads).
-    """
-    rank = dist.get_rank()
-    first_done: dict[str, float] = {}
-    seconds: dict[str, tuple[float, float]] = {}
-    for p, pg in sorted(groups, key=lambda g: g[0]):
-        if pg is not None and rank >= p:           # not in this group: wait for its members
-            dist.barrier()
-            continue
-        xs = [torch.randn(nbytes // 4 // p * p, device=device) for _ in range(n)]
-        ys = [torch.empty_like(x) for x in xs]      # reused: page faults are not this quantity
-
-        def first_of(count: int) -> float:
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            works = [dist.all_to_all_single(y, x, group=pg, async_op=True) for x, y in zip(xs[:count], ys)]
-            works[0].wait()
-            sync()
-            took = time.perf_counter() - t0
-            for work in works[1:]:
-                work.wait()
-            return took
-
-        first_of(n)                                 # warm-up
-        alone = statistics.median(first_of(1) for _ in range(repeats))
-        together = statistics.median(first_of(n) for _ in range(repeats))
-        # between 1 (one after another, the first as if alone) and n (all n in turn): beyond
-        # either bound is noise (a quick profile's 3 samples on busy cores measured 6.9)
-        first_done[str(p)] = min(float(n), max(1.0, together / alone))
-        seconds[str(p)] = (alone, together)
-        dist.barrier()
-    return {"first_done": first_done, "seconds": seconds,
-            "how": f"{n} all-to-alls of {nbytes >> 20} MiB issued back to back: the first's time over one alone "
-                   f"(seconds: both), median of {repeats}, bounded to [1, {n}]"}

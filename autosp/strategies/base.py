@@ -96,10 +96,6 @@ class Transfer:
     ``lead`` = "q", "k" or "v": a pipelined transfer of the first group's input, issued where the
     graph makes that input (:meth:`Strategy.early_issue`), so it moves beside the forward compute
     between there and the attention.
-    ``together``: a pipelined transfer every group issues at once at the start of its phase (the
-    output gradients, which autograd hands over together from the forward's concatenation): the
-    phase's first wait sees as many of them move as the backend runs side by side
-    (:meth:`autosp.costmodel.profile.HardwareProfile.issued_together`).
     """
 
     collective: str            # all_to_all, all_gather, reduce_scatter, all_reduce, send_recv
@@ -112,7 +108,6 @@ class Transfer:
     pipeline: int = 0
     beside: float = 0.0
     lead: str = ""
-    together: bool = False
 
 
 @dataclass

@@ -15,9 +15,11 @@ Q, K, V are in flight while group g attends, and group g's output travels back
 while group g+1 attends. The first group's exchanges start where the graph makes
 each of Q, K and V (:func:`issue_first_group`, placed by the sharding pass): V's
 after its projection moves while RoPE runs on Q and K, Q's while K's RoPE runs. The
-backward mirrors it (see the issue/complete ops in :mod:`autosp.strategies.collectives`),
-except that autograd hands over every group's output gradient at once (from the final
-concatenation), so their exchanges all start together. Exact for every K: each head's attention is
+backward mirrors it (see the issue/complete ops in :mod:`autosp.strategies.collectives`):
+the last group's output gradient moves alone, each earlier group's while the group after
+it runs its attention backward (group g's output is completed after group g+1's attention,
+which orders the backward so), and each group's dQ, dK, dV while the group before it runs
+its attention backward. Exact for every K: each head's attention is
 the same kernel call on the same tokens; only when the bytes move changes. Needs
 K*P to divide the query heads; KV heads are repeated until each group has its own.
 """
@@ -70,10 +72,8 @@ def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter
                 for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
     fwd = [Transfer("all_to_all", group, nbytes, "fwd", 1, inter, pipeline=chunks, lead=lead)
            for nbytes, lead in ((q_bytes, "q"), (kv_bytes, "k"), (kv_bytes, "v"), (q_bytes, ""))]
-    # backward: every group's output gradient at once (autograd has them all from the final
-    # concatenation), then each group's dQ, dK, dV as its kernel's backward finishes
-    bwd = [Transfer("all_to_all", group, q_bytes, "bwd", 1, inter, pipeline=chunks, together=True),
-           Transfer("all_to_all", group, q_bytes, "bwd", 1, inter, pipeline=chunks),
+    # backward, group after group: its output gradient in, its dQ, dK, dV back
+    bwd = [Transfer("all_to_all", group, q_bytes, "bwd", 2, inter, pipeline=chunks),
            Transfer("all_to_all", group, kv_bytes, "bwd", 2, inter, pipeline=chunks)]
     return fwd + bwd
 
@@ -142,15 +142,23 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
         return [all_to_all_issue(t[g].contiguous(), hd, group_name) for t in groups]
 
     # the first group's exchanges already started where q, k, v were made (issue_first_group)
-    in_flight, outs = (list(first) if first is not None else issue(0)), []
+    in_flight, outs, sending = (list(first) if first is not None else issue(0)), [], None
     for g in range(chunks):
         arrived = in_flight
         if g + 1 < chunks:
             in_flight = issue(g + 1)            # moves while group g attends
         q, k, v = (all_to_all_complete(r, sd, group_name) for r in arrived)
         out = _local_attention(q, k, v, attn_mask, g * per_group + rank * (per_group // world), n_heads, *args)
-        outs.append(all_to_all_issue(out.contiguous(), sd, group_name))   # moves while group g+1 attends
-    return torch.cat([all_to_all_complete(r, hd, group_name) for r in outs], dim=hd)
+        # Group g-1's output moved while group g attended; completing it here, before group g's
+        # output is issued, orders the backward (which runs the later node first): group g's
+        # output gradient is issued and waited for, then group g-1's is issued and moves while
+        # group g's attention backward runs. Completed at the end instead, every group's output
+        # gradient would start at once and the first wait would share the link with all of them.
+        if sending is not None:
+            outs.append(all_to_all_complete(sending, hd, group_name))
+        sending = all_to_all_issue(out.contiguous(), sd, group_name)     # moves while group g+1 attends
+    outs.append(all_to_all_complete(sending, hd, group_name))
+    return torch.cat(outs, dim=hd)
 
 
 CHUNK_CHOICES = (1, 2, 4, 8)      # head groups the planner may pipeline Ulysses in
