@@ -9,6 +9,14 @@
    window and left padding, against SDPA with the same mask.
 3. A measured single-GPU compute profile (matmul, attention, memory-bound),
    written to DIR/gpu-measured.json.
+4. Concurrency on one GPU (``--only concurrency`` runs this alone): how much a matmul
+   loop and a flash-attention forward+backward loop slow down beside a transfer kernel
+   on a second stream, and how much the transfer slows beside them. The overlap cost
+   model prices a hidden collective with these two factors (``concurrency`` in a
+   profile). One GPU has no peer to exchange with, so the transfer is a stand-in:
+   a copy kernel on P thread blocks (NCCL's collectives run as kernels of one block
+   per channel, so they take SMs and HBM bandwidth from the compute), and a
+   device-to-device ``cudaMemcpyAsync`` at the full HBM rate (a bound, not a stand-in). Written to DIR/concurrency.json.
 """
 
 from __future__ import annotations
@@ -95,14 +103,144 @@ def masked_check() -> list[str]:
     return lines
 
 
+def _copy_kernel():
+    """A device-to-device copy on a fixed number of thread blocks (one per SM), each striding
+    over the buffer: the SM and HBM footprint of a collective's kernel of that many channels."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        pid = tl.program_id(0)
+        for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            keep = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+
+    def run(src: torch.Tensor, dst: torch.Tensor, programs: int) -> None:
+        copy[(programs,)](src, dst, src.numel(), BLOCK=4096, PROGRAMS=programs, num_warps=8)
+
+    return run
+
+
+def _span(fn, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Queue ``fn`` on ``stream`` between two timing events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        fn()
+        end.record()
+    return start, end
+
+
+def _alone(fn, stream: torch.cuda.Stream, repeats: int) -> float:
+    import statistics
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        a, b = _span(fn, stream)
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _together(transfer, compute, side: torch.cuda.Stream, main: torch.cuda.Stream,
+              repeats: int) -> tuple[float, float]:
+    """Medians of (transfer time, compute time) when both are queued at once, each on its
+    own stream: the transfer first, as an overlapped schedule issues it, so its kernel holds
+    its SMs before the compute's kernels fill the rest."""
+    import statistics
+
+    tt, tc = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = _span(transfer, side)
+        c = _span(compute, main)
+        torch.cuda.synchronize()
+        tt.append(t[0].elapsed_time(t[1]) / 1e3)
+        tc.append(c[0].elapsed_time(c[1]) / 1e3)
+    return statistics.median(tt), statistics.median(tc)
+
+
+def concurrency_check(repeats: int = 9) -> dict:
+    """Slowdowns of compute and of a transfer stand-in queued at once on two streams.
+
+    The transfer is one launch, as one collective is one NCCL kernel. Each pair is measured
+    twice: the transfer longer than the compute (every compute kernel runs beside it: the
+    compute's slowdown), and the compute about 2x the transfer (the transfer's slowdown)."""
+    main, side = torch.cuda.Stream(), torch.cuda.Stream()
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (torch.randn(1, 16, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn_like(q)
+
+    def attention_step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    computes = {"matmul bf16 8192^3": lambda: a @ b,
+                "flash attention fwd+bwd (H=16, S=8192, D=128, causal)": attention_step}
+    src = torch.randn(1 << 31, device="cuda")                       # 8 GiB: a long single launch
+    dst = torch.empty_like(src)
+    transfers = {"cudaMemcpyAsync D2D (full HBM rate)": (lambda n: dst[:n].copy_(src[:n]), 1 << 31)}
+    try:
+        blocks = _copy_kernel()
+        for p in (8, 16, 32):    # int32 offsets in the kernel: at most 2^30 elements
+            transfers[f"copy kernel on {p} blocks"] = (lambda n, p=p: blocks(src[:n], dst[:n], p), 1 << 30)
+    except Exception as e:  # noqa: BLE001 - the cudaMemcpyAsync bound still runs
+        print(f"  Triton copy kernel unavailable ({type(e).__name__}: {e}); the cudaMemcpyAsync bound only")
+    for fn in computes.values():                                    # warm up, compile
+        fn()
+    for fn, _ in transfers.values():
+        fn(1 << 20)
+    torch.cuda.synchronize()
+    rows = []
+    for cname, cfn in computes.items():
+        piece_c = _alone(cfn, main, repeats)
+        for tname, (tfn, most) in transfers.items():
+            probe = 1 << 28
+            rate = probe / _alone(lambda: tfn(probe), side, repeats)          # elements a second
+            row = {"compute": cname, "transfer": tname, "compute_piece_s": piece_c,
+                   "transfer_GBps": 2 * 4 * rate / 1e9}                        # bytes read + written
+            # the compute's slowdown: one transfer launch longer than n_c pieces of compute
+            n_t = min(most, int(rate * 3 * piece_c)) // 1024 * 1024
+            n_c = max(1, min(4, int(n_t / rate / piece_c / 1.5)))
+            t_alone = _alone(lambda: tfn(n_t), side, repeats)
+            c_alone = _alone(lambda: [cfn() for _ in range(n_c)], main, repeats)
+            _, c_both = _together(lambda: tfn(n_t), lambda: [cfn() for _ in range(n_c)], side, main, repeats)
+            row.update(compute_slowdown=c_both / c_alone, compute_run=f"{n_c} piece(s), {c_alone * 1e3:.2f} ms, "
+                       f"beside a {t_alone * 1e3:.2f} ms transfer")
+            # the transfer's slowdown: one launch beside about twice its time of compute
+            n_t = min(most, int(rate * 1.5 * piece_c), int(rate * 3e-3)) // 1024 * 1024
+            t_alone = _alone(lambda: tfn(n_t), side, repeats)
+            n_c = max(2, round(2 * t_alone / piece_c + 0.5))
+            t_both, _ = _together(lambda: tfn(n_t), lambda: [cfn() for _ in range(n_c)], side, main, repeats)
+            row.update(comm_slowdown=t_both / t_alone, comm_run=f"{t_alone * 1e3:.2f} ms alone, beside {n_c} "
+                       f"piece(s) ({n_c * piece_c * 1e3:.2f} ms)")
+            rows.append(row)
+            print(f"  {cname:53s} beside {tname:30s} ({row['transfer_GBps']:5.0f} GB/s alone): compute "
+                  f"{row['compute_slowdown']:.3f}x [{row['compute_run']}], transfer {row['comm_slowdown']:.3f}x "
+                  f"[{row['comm_run']}]", flush=True)
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": repeats, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", choices=["concurrency"], help="run this check alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: GPU checks skipped")
         return
     print(torch.cuda.get_device_name(), torch.__version__)
+    if args.only == "concurrency":
+        import json
+
+        print("concurrency on one GPU: slowdown beside a transfer stand-in on a second stream:")
+        with open(os.path.join(args.out, "concurrency.json"), "w") as f:
+            json.dump(concurrency_check(), f, indent=1)
+        return
     print("blockwise attention vs fused SDPA (relative error):")
     for line in blockwise_check():
         print("  " + line)

@@ -175,7 +175,9 @@ def test_the_ilp_pipelines_ulysses_where_it_hides_communication():
     (layer,), (plain_layer,) = piped.layers, plain.layers
     assert layer["strategy"].startswith("ulysses:c") and layer["overlap"].endswith("head groups pipelined"), layer
     assert plain_layer["strategy"] == "ulysses" and plain_layer["overlap"] == "none"
-    assert layer["exposed_comm_s"] < 0.5 * plain_layer["exposed_comm_s"]
+    # a third less: the hidden transfers still cost the attention beside them its slowdown (the
+    # profile's concurrency, measured on an H200: a collective's kernel takes SMs and HBM bandwidth)
+    assert layer["exposed_comm_s"] < 0.7 * plain_layer["exposed_comm_s"]
     assert piped.predicted["total_s"] < plain.predicted["total_s"]
     assert all(a["layers"][layer["fingerprint"]]["strategy"] == "ulysses" for a in plain.alternatives)
 

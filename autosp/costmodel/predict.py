@@ -72,6 +72,7 @@ class Prediction:
     attention_saved: dict | None = None  # per layer class: bytes one layer's strategy keeps for backward
     gradient_comm_s: float = 0.0
     gradient_exposed_s: float = 0.0     # of it, what the compute waits for (ZeRO gathers included)
+    backward_s: float = 0.0             # of compute_s, the backward's: what the gradient reduction moves beside
 
 
 def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
@@ -207,6 +208,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         p.attention_saved[fp] = sum(costs[attention_shape(a, S, graph.attention_dropout, documents)][0].saved_bytes
                                     for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=lc.captured[0])
                                     ) if sp > 1 else 0.0
+    p.backward_s = backward_s
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
                                                          reduce_grads or dp > 1, backward_s,
                                                          p.compute_s - backward_s, overlap, zero_shard, dpn)
@@ -235,8 +237,10 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
 
     Stages 0 and 1 all-reduce buckets launched as each fills during the backward
     (:mod:`autosp.transform.grad_reducer`): every bucket but the last moves beside the
-    backward compute still to run, t = all buckets, t_last = the last one's:
+    backward compute still to run, t = all buckets, t_last = the last one's, the backward
+    beside them slowed by the profile's compute concurrency factor:
         exposed = t_last + max(0, s_comm * (t - t_last) - backward_s)
+                  + (s_compute - 1) * min(backward_s, s_comm * (t - t_last))
     Stage 2 shards with one FSDP unit (the root): its gathers and its reduce-scatter run
     before the forward and after the backward, exposed in full.
     Stage 3 gathers per unit inside the graph (:mod:`autosp.transform.zero3`): U = the blocks
@@ -277,7 +281,8 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     if zero_stage >= 2:
         return t, t
     t_last = profile.collective_time(collective, group, min(gbytes, BUCKET_BYTES), big)
-    return t, t_last + max(0.0, s_comm * (t - t_last) - backward_s)
+    rest = s_comm * (t - t_last)
+    return t, t_last + max(0.0, rest - backward_s) + (s_compute - 1) * min(backward_s, rest)
 
 
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,

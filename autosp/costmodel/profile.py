@@ -166,8 +166,8 @@ class HardwareProfile:
 
     def concurrency(self) -> tuple[float, float]:
         """(collective slowdown, compute slowdown) while both run at once, as measured
-        (``autosp profile``); 1.0 each where the profile says nothing (published profiles:
-        the GPU's copy engines and network move data beside the SMs)."""
+        (``autosp profile``, or for the published Hopper profiles ``bench/gpu_check.py --only
+        concurrency``); 1.0 each where the profile says nothing."""
         c = self.data.get("concurrency", {})
         return float(c.get("comm_slowdown", 1.0)), float(c.get("compute_slowdown", 1.0))
 

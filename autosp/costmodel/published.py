@@ -15,6 +15,16 @@ fused attention 55% forward / 45% backward, memory-bound kernels 80% of HBM
 bandwidth, a 5 us launch floor per kernel, collective latency 10 us inside a node
 and 20 us across nodes. Times at each table point follow
 ``t = floor + work / (peak * efficiency)``.
+
+Concurrency (measured, not published; H100/H200 only): NCCL runs a collective as a kernel
+of one thread block per channel, so a collective beside compute takes SMs and HBM bandwidth
+from it. ``bench/gpu_check.py --only concurrency`` measured that on one H200 with a stand-in,
+a copy kernel on 16 blocks (~820 GB/s read + written, about the HBM traffic of an NVLink
+all-to-all at ~370 GB/s bus bandwidth) issued before the compute on a second stream: a bf16
+8192^3 matmul ran 1.26x slower beside it and a flash-attention forward+backward 1.11x; the
+copy ran 1.16x / 1.12x slower (two runs, 2026-12-04, each within 0.03 of the other). The
+profiles carry the means: compute 1.19x, collective 1.14x. The H100 shares the H200's SMs;
+the A100 was not measured and keeps 1.0.
 """
 
 from __future__ import annotations
@@ -32,6 +42,13 @@ GPUS = {
 IB = 48e9
 EFF = dict(matmul=0.75, attention=0.55, attention_backward=0.45, memory=0.80)
 FLOOR, LAT_INTRA, LAT_INTER = 5e-6, 10e-6, 20e-6
+HOPPER_CONCURRENCY = {
+    "comm_slowdown": 1.14, "compute_slowdown": 1.19,
+    "how": "measured on one H200 (bench/gpu_check.py --only concurrency, 2026-12-04, two runs): a 16-block copy "
+           "kernel standing in for an NCCL collective's kernel, issued first on a second stream; compute = mean of "
+           "a bf16 matmul (1.26x) and a flash-attention forward+backward (1.11x), collective = mean of the copy "
+           "beside each (1.16x, 1.12x)",
+}
 
 def build(name: str) -> dict:
     g = GPUS[name]
@@ -77,6 +94,7 @@ def build(name: str) -> dict:
         "op_overhead_s": 0.0,
         "compute": compute,
         "collectives": coll,
+        **({"concurrency": HOPPER_CONCURRENCY} if name != "a100-sxm" else {}),
     }
 
 
