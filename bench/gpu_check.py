@@ -1,6 +1,6 @@
 """GPU checks, for a machine with one CUDA device (skipped without one).
 
-    PYTHONPATH=. python bench/gpu_check.py [--out DIR]
+    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency]
 
 1. Blockwise attention on CUDA (the kernels ring / all-gather-KV / hybrid run
    on): queries and keys in arbitrary chunk orders, merged by log-sum-exp,
@@ -16,7 +16,8 @@
    profile). One GPU has no peer to exchange with, so the transfer is a stand-in:
    a copy kernel on P thread blocks (NCCL's collectives run as kernels of one block
    per channel, so they take SMs and HBM bandwidth from the compute), and a
-   device-to-device ``cudaMemcpyAsync`` at the full HBM rate (a bound, not a stand-in). Written to DIR/concurrency.json.
+   device-to-device ``cudaMemcpyAsync`` at the full HBM rate (a bound, not a
+   stand-in). Written to DIR/concurrency.json.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def masked_check() -> list[str]:
 
 
 def _copy_kernel():
-    """A device-to-device copy on a fixed number of thread blocks (one per SM), each striding
-    over the buffer: the SM and HBM footprint of a collective's kernel of that many channels."""
+    """A device-to-device copy on a fixed number of thread blocks (fewer than the SMs: one an
+    SM), each striding over the buffer: the SM and HBM footprint of a collective's kernel of
+    that many channels."""
     import triton
     import triton.language as tl
 
