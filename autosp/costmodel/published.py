@@ -50,6 +50,7 @@ HOPPER_CONCURRENCY = {
            "beside each (1.16x, 1.12x)",
 }
 
+
 def build(name: str) -> dict:
     g = GPUS[name]
     flops_pts = [10.0 ** e for e in range(8, 21)]
