@@ -23,7 +23,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 
 import torch
@@ -136,8 +138,6 @@ def _span(fn, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.E
 
 
 def _alone(fn, stream: torch.cuda.Stream, repeats: int) -> float:
-    import statistics
-
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -152,8 +152,6 @@ def _together(transfer, compute, side: torch.cuda.Stream, main: torch.cuda.Strea
     """Medians of (transfer time, compute time) when both are queued at once, each on its
     own stream: the transfer first, as an overlapped schedule issues it, so its kernel holds
     its SMs before the compute's kernels fill the rest."""
-    import statistics
-
     tt, tc = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -237,8 +235,6 @@ def main() -> None:
         return
     print(torch.cuda.get_device_name(), torch.__version__)
     if args.only == "concurrency":
-        import json
-
         print("concurrency on one GPU: slowdown beside a transfer stand-in on a second stream:")
         with open(os.path.join(args.out, "concurrency.json"), "w") as f:
             json.dump(concurrency_check(), f, indent=1)

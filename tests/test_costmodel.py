@@ -1,6 +1,5 @@
 """Cost model: lookups, profile loading and its errors, predictions' sense."""
 
-import dataclasses
 import json
 import warnings
 
@@ -266,6 +265,7 @@ def test_bucketed_gradient_reduction_hides_behind_the_backward(llama8b):
     long = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=8192, zero_stage=0)
     assert long.gradient_comm_s < long.compute_s / 2         # the backward outlasts the reduction...
     hidden = s_comm * (long.gradient_comm_s - last_bucket)   # ...all but the last, at the slowed compute's cost
+    assert hidden < long.backward_s
     assert long.exposed_comm_s - long.attention_exposed_s == pytest.approx(last_bucket + (s_compute - 1) * hidden)
     short = predict(llama8b, prof, sp=8, strategy="ulysses", seq_len=512, zero_stage=0)
     assert last_bucket < short.exposed_comm_s - short.attention_exposed_s < short.gradient_comm_s   # partly
