@@ -42,10 +42,11 @@ def compile(model, *, plan=None, memory_limit=None, **kwargs):  # noqa: A001 - m
         explicit = "checkpoint" in kwargs and kwargs["checkpoint"] != "none"
         mlp = kwargs.get("mlp_chunks", 1) != 1                    # the caller's tiling is kept
         loss = kwargs.get("loss_chunks", 1) != 1
-        plan = AutoPlanner(fallback=plan is None, memory_limit=memory_limit,
+        # only the default budget may fall back to the default strategy; one the user set holds or fails
+        plan = AutoPlanner(fallback=plan is None and memory_limit is None, memory_limit=memory_limit,
                            checkpoints=("none",) if explicit else ("none", "selective", "full"),
                            overlap=kwargs.get("overlap", True), mlp_chunks=(1,) if mlp else (1, 8),
-                           loss_chunks=(1,) if loss else (1, 8))
+                           loss_chunks=(1,) if loss else (1, 8), zero_stage=kwargs.get("zero_stage"))
     return _compile(model, plan=plan, **kwargs)
 
 

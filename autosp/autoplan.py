@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autosp.errors import AutospError
+
 
 def machine_profile(device: torch.device) -> str:
     if device.type != "cuda":
@@ -73,7 +75,8 @@ class AutoPlanner:
 
     def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
                  memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
-                 overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8)):
+                 overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8),
+                 zero_stage: int | None = None):
         self.profile = profile
         self.cache = cache
         self.memory_limit = memory_limit        # bytes per device; None: the device's
@@ -83,29 +86,38 @@ class AutoPlanner:
         self.overlap = overlap                  # False: plan only unpipelined strategies
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
+        self.zero_stage = zero_stage            # what the runtime applies: its memory is planned for
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
                  documents: tuple[int, ...] = ()) -> Any:
         from autosp.planner.plan import Plan
 
         world = dist.get_world_size(group)
-        payload: list[Any] = [None]
+        # (plan JSON, error): every rank learns the outcome, so a failure raises on all of them
+        # together instead of leaving the others waiting in a collective
+        payload: list[Any] = [(None, None)]
         if dist.get_rank(group) == 0:
             try:
-                payload[0] = self._plan(module, batch_size, seq_len, world, documents).to_json()
+                payload[0] = (self._plan(module, batch_size, seq_len, world, documents).to_json(), None)
             except Exception as e:  # noqa: BLE001 - reported; the caller falls back or raises
-                if not self.fallback:
-                    raise
-                import warnings
-
-                warnings.warn(f"autosp could not plan this model ({type(e).__name__}: {str(e)[:200]}); using the "
-                              "default strategy choice instead", stacklevel=3)
+                payload[0] = (None, (type(e).__name__, str(e)))
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-        if payload[0] is None:
+        plan_json, error = payload[0]
+        if error is not None:
+            kind, message = error
+            if not self.fallback:
+                # a budget the user set holds or fails: never a silent run without it
+                raise AutospError(message if kind == "AutospError" else f"autosp could not plan this model "
+                                  f"({kind}: {message[:300]})")
+            import warnings
+
+            warnings.warn(f"autosp could not plan this model ({kind}: {message[:200]}); using the default "
+                          "strategy choice instead (only the default memory budget falls back: pass "
+                          "memory_limit= to make planning failures errors)", stacklevel=3)
             return None
         import json
 
-        return Plan(**json.loads(payload[0]))
+        return Plan(**json.loads(plan_json))
 
     def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
               documents: tuple[int, ...] = ()) -> Any:
@@ -125,7 +137,8 @@ class AutoPlanner:
             "-l" + "-".join(map(str, self.loss_chunks))
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
-               f"m{int(limit) >> 20}-{modes}{docs}{f'-n{dpn}' if dpn else ''}{'' if self.overlap else '-serial'}.json")
+               f"m{int(limit) >> 20}-z{self.zero_stage}-{modes}{docs}{f'-n{dpn}' if dpn else ''}"
+               f"{'' if self.overlap else '-serial'}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
@@ -133,7 +146,7 @@ class AutoPlanner:
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
                  devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
-                 loss_chunks=self.loss_chunks)
+                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -108,6 +108,14 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, **common)
         cfg._experts_implementation = "eager"
         return transformers.AutoModelForCausalLM.from_config(cfg)
+    if kind == "mixtral_eager_aux":
+        # The eager expert loop breaks the graph, so each layer's router logits leave a sharded graph
+        # gathered, and the load-balancing loss is computed on them next to the sharded loss.
+        cfg = transformers.MixtralConfig(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=4,
+                                         num_experts_per_tok=2, output_router_logits=True,
+                                         router_aux_loss_coef=0.02, **common)
+        return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
     if kind == "gemma2":          # transformers offers it eager attention only
         cfg = transformers.Gemma2Config(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
@@ -249,6 +257,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]
     out["token_statistics"] = sum(r.token_statistics for r in sp.state.reports)
+    out["shared_replicated"] = sum(r.shared_replicated for r in sp.state.reports)
     out["tiled_losses"] = sum(r.tiled_losses for r in sp.state.reports)
     out["tiled_mlps"] = sum(r.tiled_mlps for r in sp.state.reports)
     out["graph_reports"] = [(r.attention, r.token_statistics, r.replicated_params, r.starts_at[-70:])
@@ -271,6 +280,20 @@ def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: An
     except AutospError as e:          # raised as itself, not wrapped in Dynamo's BackendCompilerFailed
         return str(e)
     return ""
+
+
+def memory_budget_refused(seq_len: int = 256, limit: float = 2 ** 20) -> dict[str, Any]:
+    """autosp.compile(model, memory_limit=...) with a budget no plan meets: every rank raises one
+    AutospError at its first call, and no step runs without the budget."""
+    model = build("llama")
+    sp = autosp.compile(model, memory_limit=limit)
+    ids, labels = _batch(0, 1, seq_len, False)
+    try:
+        _loss(sp, "llama", ids, labels).backward()
+    except AutospError as e:
+        return {"error": str(e), "graphs": len(sp.state.reports),
+                "grads": sum(p.grad is not None for p in model.parameters())}
+    return {"error": "", "graphs": len(sp.state.reports), "grads": sum(p.grad is not None for p in model.parameters())}
 
 
 def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
@@ -561,7 +584,8 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
 
 def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str = "ulysses", steps: int = 3,
                   seq_len: int = 32, rows: int = 2, uneven: bool = True, bucket_mb: float = 0.01,
-                  plan_dir: str = "", zero_shard: Any = "mesh", **cfg: Any) -> dict[str, Any]:
+                  plan_dir: str = "", zero_shard: Any = "mesh", compiler: str | None = None,
+                  **cfg: Any) -> dict[str, Any]:
     """A dp x sp mesh (``rows`` data-parallel rows) against one process on the concatenated global
     batch: loss and every parameter gradient per AdamW step, and what ran (from the report)."""
     import torch.distributed as dist
@@ -578,7 +602,7 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
         sp = autosp.compile(model, plan=path, bucket_mb=bucket_mb)
     else:
         sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb,
-                            zero_shard=zero_shard)
+                            zero_shard=zero_shard, compiler=compiler)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = sp.optimizer(torch.optim.AdamW, lr=1e-3)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
@@ -627,6 +651,8 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
                                    world, zero_stage)
         out["predicted_state_bytes"] = sum(states_pred.values())
     out["fsdp_units"] = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
+    out["plan"] = None if sp.plan is None else {"zero_stage": sp.plan.zero_stage, "layers": sp.plan.layers}
+    out["compiler"] = sp.config.compiler
     out["sp_rows"] = dist.get_world_size(sp.mesh.sp), dist.get_world_size(sp.mesh.whole)
     return out
 

@@ -403,6 +403,26 @@ def test_mixtral_with_eager_experts_breaks_the_graph_and_stays_exact(pool):
         assert r["graphs"] > 2 and r["replicated_params"] > 0, r
 
 
+def test_a_router_loss_on_logits_gathered_after_a_graph_break_gets_one_process_gradient(pool):
+    # The shortest call (planner, Inductor). The eager expert loop breaks the graph, so the router
+    # logits leave their sharded graph gathered and the load-balancing loss runs replicated next to
+    # the sharded loss. Before: every rank got the full gradient of that replicated work and the
+    # boundary's sum counted it twice (router gate 21-75% off, every other weight slightly off).
+    res = run_ok(pool, "train_compare", kind="mixtral_eager_aux", seq_len=96, steps=2, compiler="default")
+    for r in res:
+        check_exact([r], r["strategies"])
+        assert r["shared_replicated"] >= 1, r      # the aux loss's replicated work kept 1/P of its gradient
+        assert r["graphs"] > 2 and r["report"]["compiler"] == "inductor", r
+        assert r["plan_layers"] is not None, "the planner chose the strategy"
+
+
+def test_a_memory_limit_no_plan_meets_fails_on_every_rank(pool):
+    # Before: a warning, then a step with no checkpointing, far over the budget.
+    for r in run_ok(pool, "memory_budget_refused"):
+        assert "no plan fits" in r["error"] and "1 MiB" in r["error"], r
+        assert r["graphs"] == 0 and r["grads"] == 0, r           # nothing ran without the budget
+
+
 def test_partial_gradients_refuse_parameters_a_graph_break_left_eager(pool):
     for r in run_ok(pool, "partial_grads_with_eager_parameters"):
         check_exact([r["exact"]], ["ulysses"])

@@ -167,6 +167,19 @@ def test_zero_stages_2_and_3_equal_one_process(pool, stage, kind, strategy):
         assert abs(r["state_bytes"] / r["predicted_state_bytes"] - 1) < 0.05, r
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_with_the_planner_choosing_equal_one_process(pool, stage):
+    # The shortest call on a 2 x 2 mesh, strategy left to the planner, compiled. Before, ZeRO 2: the
+    # planner's capture ran FSDP2's hooks on fake tensors (it warned and fell back), and the first
+    # real forward then failed in FSDP's all-gather on every rank.
+    res = run_ok(pool, "dp_sp_compare", kind="qwen3", strategy="auto", zero_stage=stage, compiler="aot_eager", steps=2)
+    planned = res[0]["plan"]
+    assert planned is not None and planned["zero_stage"] == stage, planned     # planned for this stage
+    strategy = planned["layers"][0]["strategy"]
+    check_dp_sp(res, strategy, stage)
+    assert all(r["compiler"] == "aot_eager" and r["plan"] == planned for r in res)
+
+
 def test_zero_3_by_node_shards_inside_each_pair_and_sums_across_pairs(pool):
     # HSDP on 2 "nodes" of 2 ranks: each parameter sharded over the 2 ranks of a node, replicated across
     res = run_ok(pool, "dp_sp_compare", kind="qwen2", strategy="zigzag_ring", zero_stage=3, zero_shard=2)

@@ -7,8 +7,9 @@ and scaled to the full depth, whose parameters are counted per block.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -95,3 +96,34 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
             if len(kinds) == 1:
                 best = list(sub)
     return best
+
+
+@contextlib.contextmanager
+def fsdp_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Trace a model that FSDP2 (``fully_shard``, ZeRO 2) already sharded as the model it wraps.
+
+    Its parameters report their global shapes, so the fake parameters capture swaps in are full
+    size; but FSDP's forward hooks would initialise FSDP and all-gather parameters under the fake
+    mode, failing there and leaving FSDP half-initialised for the real step. They are lifted for
+    the trace and put back, in their order, after it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def is_fsdp(hook: Any) -> bool:
+        owner = getattr(hook, "__self__", None)
+        hook = getattr(hook, "__wrapped__", hook)
+        return type(owner).__name__ == "FSDPState" or "_fully_shard" in getattr(hook, "__module__", "")
+
+    lifted = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for hooks in (m._forward_pre_hooks, m._forward_hooks):
+                saved = dict(hooks)
+                for key in [k for k, h in saved.items() if is_fsdp(h)]:
+                    del hooks[key]
+                lifted.append((hooks, saved))
+    try:
+        yield
+    finally:
+        for hooks, saved in lifted:
+            hooks.clear()
+            hooks.update(saved)

@@ -32,9 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autosp.errors import AutospError
-from autosp.graph.build import Built, build, count_params
+from autosp.graph.build import Built, build, count_params, fsdp_hooks_off
 from autosp.graph.catalog import ModelSource
-from autosp.graph.hf_compat import attention_window, experts_as_compiled, unpacked_positions
+from autosp.graph.hf_compat import attention_window, eager_experts_as_grouped, experts_as_compiled, unpacked_positions
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
 from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
@@ -163,8 +163,8 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
         return loss, [g for g in grads if g is not None]
 
     try:
-        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), \
-                experts_as_compiled(built.is_hf), _broadcast_kv_as_gqa():
+        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), _broadcast_kv_as_gqa(), \
+                experts_as_compiled(built.is_hf), eager_experts_as_grouped(module), fsdp_hooks_off(module):
             gm = make_fx(step, tracing_mode="real", decomposition_table=_DECOMPOSITIONS)(params, kwargs)
     except AutospError:
         raise

@@ -107,6 +107,23 @@ def experts_as_compiled(active: bool = True) -> Iterator[None]:
         moe._can_use_grouped_mm = original
 
 
+@contextlib.contextmanager
+def eager_experts_as_grouped(module: torch.nn.Module) -> Iterator[None]:
+    """Within this context a model whose experts run as transformers' eager Python loop runs them
+    as grouped matmuls instead. The loop branches on which experts got tokens, data no fake tensor
+    holds, so it cannot be traced; the grouped form does the same matmuls on the same tokens (the
+    same FLOPs and activations), which is what the planner costs."""
+    configs = {id(c): c for m in module.modules()
+               if getattr(c := getattr(m, "config", None), "_experts_implementation", None) == "eager"}
+    for c in configs.values():
+        c._experts_implementation = "grouped_mm"
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c._experts_implementation = "eager"
+
+
 def sdpa_unsupported(module: object) -> bool:
     """A transformers model whose family has no SDPA attention (Gemma-2, BLOOM): asking for it
     fails in transformers itself."""

@@ -22,6 +22,8 @@ backward calls the traceable custom op :func:`autosp.strategies.collectives.all_
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -64,3 +66,60 @@ def share_grad(x: Tensor, ranks: int) -> Tensor:
     the group would count it P times. Its 1/P share per rank sums to the full gradient exactly
     when P is a power of two (a scale by 2^-k is exact in floating point)."""
     return _ShareGrad.apply(x, ranks)
+
+
+# Ops whose output is global (the same on every rank, made from every rank's tokens): a loss, a
+# full sum or mean, a token statistic. Their backward hands each rank the *full* output gradient.
+def _global_ops() -> set:
+    from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
+
+    return {global_mean, global_sum, sharded_cross_entropy, token_total}
+
+
+def share_replicated_gradients(graph: torch.fx.Graph, place: dict, ranks: int) -> int:
+    """Inside a sharded graph, replicated work on a replicated input that requires grad (the full
+    router logits a graph break gathered, then a load-balancing loss computed on them; a weight
+    penalty added to the loss) gives every rank the *full* gradient of that input, while the
+    boundary's :func:`sum_grad` (or the caller's reduction of a parameter) sums over the ranks,
+    counting it ``ranks`` times. Where such a replicated value meets a global one (the loss) or
+    leaves the graph, it passes through :func:`share_grad`: each rank keeps 1/P, the sum is whole.
+
+    A replicated value that is instead sliced into this rank's tokens needs nothing: the slice's
+    backward already leaves a partial gradient. ``place`` maps a node to its sequence dims (None:
+    replicated). Returns how many values were routed."""
+    global_targets = _global_ops()
+    replicated: set[torch.fx.Node] = set()      # replicated values fed by inputs that require grad
+    made_global: set[torch.fx.Node] = set()
+    routed = 0
+
+    def requires_grad(n: Any) -> bool:
+        v = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.requires_grad
+
+    def share(user: torch.fx.Node, inputs: list[torch.fx.Node]) -> None:
+        nonlocal routed
+        for x in inputs:
+            with graph.inserting_before(user):
+                s = graph.call_function(share_grad, (x, ranks))
+            s.meta = {k: v for k, v in x.meta.items() if k != "nn_module_stack"}
+            user.replace_input_with(x, s)
+            routed += 1
+
+    for n in list(graph.nodes):
+        if n.op == "placeholder":
+            if requires_grad(n):
+                replicated.add(n)
+            continue
+        ins = n.all_input_nodes
+        if n.op == "output":
+            share(n, [a for a in ins if a in replicated and requires_grad(a)])
+            continue
+        if n.op not in ("call_function", "call_method"):
+            continue
+        if n.target in global_targets or (place.get(n) is None and any(a in made_global for a in ins)):
+            share(n, [a for a in ins if a in replicated and requires_grad(a)])
+            made_global.add(n)
+        elif place.get(n) is None and not any(place.get(a) is not None for a in ins) and \
+                any(a in replicated for a in ins) and n.target is not share_grad:
+            replicated.add(n)           # replicated work (sharded ops' backward leaves partial gradients)
+    return routed

@@ -58,7 +58,7 @@ from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
-from autosp.transform.replicated import share_grad, sum_grad
+from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
 from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -120,6 +120,7 @@ class ShardReport:
     unmasked_noncausal: bool = False
     global_reductions: int = 0
     token_statistics: int = 0         # sums / histograms over tokens made global (a router's aux loss)
+    shared_replicated: int = 0        # replicated values whose full gradient each rank keeps 1/P of (replicated.py)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
     param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero3.py)
@@ -261,6 +262,7 @@ class Sharder:
                 raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
             else:
                 self._visit(n)
+        self.report.shared_replicated = share_replicated_gradients(self.graph, self.place, self.ctx.world)
         for n, dims in self.place.items():     # read by later passes (tiled_mlp.py): which dims are tokens
             n.meta["autosp_seq"] = dims
         self.graph.lint()
