@@ -51,7 +51,12 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
 
 
 class Pool:
-    def __init__(self, world: int):
+    def __init__(self, world: int, compiler: str | None = None):
+        """``compiler``: the workers' default compiler ($AUTOSP_COMPILER) unless the environment sets one."""
+        from conftest import SUITE_COMPILER
+
+        if compiler is not None and SUITE_COMPILER is None:
+            os.environ["AUTOSP_COMPILER"] = compiler          # read by the spawned workers at start
         ctx = mp.get_context("spawn")
         self.world = world
         port = free_port()
@@ -61,6 +66,7 @@ class Pool:
                       for r in range(world)]
         for p in self.procs:
             p.start()
+        os.environ["AUTOSP_COMPILER"] = SUITE_COMPILER or "eager"
 
     def run(self, case: str, timeout: float = 240, **kwargs: Any) -> list[tuple[str, Any]]:
         """Run ``case`` on all ranks; returns ``[(status, value)]`` by rank."""

@@ -10,7 +10,7 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 @pytest.fixture(scope="module")
 def pool():
-    p = Pool(2)
+    p = Pool(2, compiler="aot_eager")     # the compiled path: AOTAutograd for every test naming no compiler
     yield p
     p.close()
 
@@ -62,6 +62,15 @@ def check_exact(res, strategies=None):
         assert r["loss_err"] <= LOSS_TOL, r
         assert r["grad_err"] <= GRAD_TOL, r
         assert r["param_err"] <= GRAD_TOL, r          # still equal after 3 AdamW steps
+
+
+def test_this_module_runs_the_compiled_path(pool):
+    # the workers' default compiler (a test naming none gets it): AOTAutograd, not eager graphs
+    from conftest import SUITE_COMPILER
+
+    r = run_ok(pool, "train_compare", kind="llama", strategy="ulysses", steps=1)[0]
+    assert r["report"]["compiler"] == (SUITE_COMPILER or "aot_eager"), r["report"]
+    check_first_step_exact([r], ["ulysses"] * 2)
 
 
 @pytest.mark.parametrize("kind,cfg", [("llama", dict(heads=4, kv=2)), ("gpt2", dict(heads=4)),
