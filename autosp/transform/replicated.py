@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from autosp.strategies.collectives import all_reduce_sum
+from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 
 
 class _SumGrad(torch.autograd.Function):
@@ -70,10 +71,7 @@ def share_grad(x: Tensor, ranks: int) -> Tensor:
 
 # Ops whose output is global (the same on every rank, made from every rank's tokens): a loss, a
 # full sum or mean, a token statistic. Their backward hands each rank the *full* output gradient.
-def _global_ops() -> set:
-    from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
-
-    return {global_mean, global_sum, sharded_cross_entropy, token_total}
+_GLOBAL_OPS = {global_mean, global_sum, sharded_cross_entropy, token_total}
 
 
 def share_replicated_gradients(graph: torch.fx.Graph, place: dict, ranks: int) -> int:
@@ -87,7 +85,6 @@ def share_replicated_gradients(graph: torch.fx.Graph, place: dict, ranks: int) -
     A replicated value that is instead sliced into this rank's tokens needs nothing: the slice's
     backward already leaves a partial gradient. ``place`` maps a node to its sequence dims (None:
     replicated). Returns how many values were routed."""
-    global_targets = _global_ops()
     replicated: set[torch.fx.Node] = set()      # replicated values fed by inputs that require grad
     made_global: set[torch.fx.Node] = set()
     routed = 0
@@ -116,7 +113,7 @@ def share_replicated_gradients(graph: torch.fx.Graph, place: dict, ranks: int) -
             continue
         if n.op not in ("call_function", "call_method"):
             continue
-        if n.target in global_targets or (place.get(n) is None and any(a in made_global for a in ins)):
+        if n.target in _GLOBAL_OPS or (place.get(n) is None and any(a in made_global for a in ins)):
             share(n, [a for a in ins if a in replicated and requires_grad(a)])
             made_global.add(n)
         elif place.get(n) is None and not any(place.get(a) is not None for a in ins) and \
