@@ -31,7 +31,10 @@ def _step(model: str, seq_len: int, batch_size: int, strategy: str, checkpoint: 
                           "autosp.compile(...) in your script and print sp.report()")
     torch.manual_seed(0)
     module = transformers.AutoModelForCausalLM.from_config(src.hf_config)
-    sp = autosp.compile(module, strategy=strategy, checkpoint=checkpoint, compiler=compiler)
+    fixed = None if checkpoint == "none" else checkpoint           # "none": the planner may still choose
+    chosen = autosp.Auto(checkpoint=fixed) if strategy == "auto" else \
+        autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint)
+    sp = autosp.compile(module, plan=chosen, runtime=autosp.Runtime(compiler=compiler))
     ids = torch.randint(0, src.hf_config.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     sp(input_ids=ids, labels=ids).loss.backward()
     return sp.report().as_dict()

@@ -33,7 +33,7 @@ def measure(seq_len: int, repeats: int) -> list[dict]:
     rows = []
     for compiler in COMPILERS:
         torch._dynamo.reset()
-        model = autosp.compile(tiny_model(), strategy="ulysses", compiler=compiler)
+        model = autosp.compile(tiny_model(), plan="ulysses", runtime=autosp.Runtime(compiler=compiler))
 
         def step() -> float:
             loss = model(input_ids=ids, labels=ids).loss

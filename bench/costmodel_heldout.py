@@ -11,7 +11,7 @@ layers, at 3072 and 6144 tokens (off the profile's lengths). Every legal strateg
 devices per node and the cost model's sharing factor describe. Each rank runs one thread.
 
 Measured: the median of ``--repeats`` timed steps after a warm-up (compile) step, forward and
-backward through ``autosp.compile(..., compiler="aot_eager")`` with no checkpointing or
+backward through ``autosp.compile(..., runtime=autosp.Runtime(compiler="aot_eager"))`` with no checkpointing or
 tiling; the per-rank peak of the tensors allocated during one step
 (``autosp.tools.memory_probe``; Inductor's kernels bypass it, and AOTAutograd partitions the
 same way with either). Predicted: ``autosp.costmodel.predict`` (step time) and

@@ -46,7 +46,7 @@ def measure(strategy: str, seq_len: int, steps: int, repeats: int = 9) -> dict:
     dist.all_to_all_single = timed
     try:
         ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
-        model = autosp.compile(tiny_model(), strategy=strategy)
+        model = autosp.compile(tiny_model(), plan=strategy)
         in_step = []
         for _ in range(steps):
             record.clear()

@@ -6,7 +6,7 @@ Same Llama (random weights, fp32, vocabulary 8192), batch and strategy (Ulysses)
 one thread each, SP over all of them. ``zero_stage=None`` sums each parameter's gradient over the
 SP group inside the graphs' backward (a blocking call per parameter use); ``zero_stage=0`` keeps
 partial sums and all-reduces them in ~25 MiB buckets launched asynchronously as each fills
-(:mod:`autosp.transform.grad_reducer`). Both give the single-device gradients; the bench checks
+(:mod:`autosp.transform.zero.grad_reducer`). Both give the single-device gradients; the bench checks
 they agree, then prints the median step of each and the ratio, measured in the same run.
 """
 
@@ -43,7 +43,7 @@ def measure(seq_len: int, layers: int, hidden: int, repeats: int) -> list[dict]:
     rows, grads = [], []
     for name, stage in MODES.items():
         torch._dynamo.reset()
-        model = autosp.compile(build(layers, hidden), strategy="ulysses", zero_stage=stage)
+        model = autosp.compile(build(layers, hidden), plan="ulysses", zero=stage)
 
         def step() -> None:
             model(input_ids=ids, labels=ids).loss.backward()

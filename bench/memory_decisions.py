@@ -48,8 +48,9 @@ def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: l
     for checkpoint, mlp_chunks, loss_chunks in decisions or DECISIONS:
         torch._dynamo.reset()
         model = tiny()
-        sp = autosp.compile(model, strategy=strategy, compiler=compiler, checkpoint=checkpoint,
-                            mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
+        sp = autosp.compile(model, plan=autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint, mlp_chunks=mlp_chunks,
+                                                            mesh=autosp.MeshChoice(loss_chunks=loss_chunks)),
+                            runtime=autosp.Runtime(compiler=compiler))
         sp(input_ids=ids, labels=ids).loss.backward()                 # compile outside the probe
         model.zero_grad(set_to_none=True)
         loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)

@@ -88,7 +88,7 @@ def measure(seq_len: int, specs: list[str], repeats: int, sizes: list[tuple[str,
     for spec in specs:
         torch._dynamo.reset()
         strategy, _, layout = spec.partition("@")
-        models[spec] = autosp.compile(tiny_model(), strategy=strategy, layout=layout or None)
+        models[spec] = autosp.compile(tiny_model(), plan=autosp.Decisions.of(strategy=strategy, mesh=autosp.MeshChoice(layout=layout or None)))
 
     def step(spec: str) -> None:
         sp = models[spec]
@@ -255,7 +255,7 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str
     for family in ("ulysses", "allgather_kv"):
         best = plan(None, graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
                     checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world)
-        chosen[family] = best.layers[0]["strategy"]
+        chosen[family] = best.layers[0].choice.strategy
     return out, chosen
 
 

@@ -40,7 +40,7 @@ def measure(docs: list[int], strategy: str, layouts: list[str], repeats: int) ->
     rows = []
     for layout in layouts:
         torch._dynamo.reset()
-        sp = autosp.compile(tiny_model(), strategy=strategy, layout=layout)
+        sp = autosp.compile(tiny_model(), plan=autosp.Decisions.of(strategy=strategy, mesh=autosp.MeshChoice(layout=layout)))
         times, calls = [], 0
         for rep in range(repeats + 1):
             before = BLOCK_TALLY["computed"]

@@ -24,8 +24,8 @@ def main() -> None:
         doc = json.loads(r.stdout)
         layer = doc["layers"][0]
         print(f"{model:16s} {seq:7d} {world:6d} {wall:9.2f} {doc['solver']['solve_s']:10.2f} "
-              f"{doc['solver']['variables']:10d}  SP {doc['sp_degree']} x DP {doc['dp_degree']}, "
-              f"{layer['strategy']}, checkpoint {layer['checkpoint']}")
+              f"{doc['solver']['variables']:10d}  SP {doc['mesh']['sp_degree']} x DP {doc['dp_degree']}, "
+              f"{layer['choice']['strategy']}, checkpoint {layer['choice']['checkpoint']}")
 
 
 if __name__ == "__main__":

@@ -90,9 +90,11 @@ def measure(cases: list[tuple], repeats: int, compiler: str | None = None, probe
             torch._dynamo.reset()
             torch.manual_seed(0)
             strategy, layout, decided = parse(spec)
-            extra = {"compiler": compiler} if compiler else {}
+            loss = decided.pop("loss_chunks")
+            chosen = autosp.Decisions.of(strategy=strategy, **decided,
+                                         mesh=autosp.MeshChoice(layout=layout, loss_chunks=loss))
             models[spec] = autosp.compile(transformers.AutoModelForCausalLM.from_config(config(heads, kv, hidden)),
-                                          strategy=strategy, layout=layout, **decided, **extra)
+                                          plan=chosen, runtime=autosp.Runtime(compiler=compiler))
 
         def step(spec: str) -> None:
             models[spec](input_ids=ids, labels=ids).loss.backward()
@@ -126,12 +128,12 @@ def planned(world: int, seq: int, heads: int, kv: int, hidden: int, cap_mib: flo
         p = plan(None, graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
                  memory_limit=cap_mib * 2**20, devices_per_node=world, strategies=tuple(CAPPED_STRATEGIES))
     layer = p.layers[0]
-    spec = layer["strategy"]
+    spec = layer.choice.strategy
     # the plan's token layout is part of the pick (all-gather-KV may be planned on zigzag)
     own = resolve(spec).layout or "contiguous"
     spec = spec if p.layout == own else f"{spec}@{p.layout}"
     if cap_mib is not None:
-        spec += f"+{layer['checkpoint']}/{layer.get('mlp_chunks', 1)}/{p.loss_chunks}"
+        spec += f"+{layer.choice.checkpoint}/{layer.choice.mlp_chunks}/{p.loss_chunks}"
     return spec
 
 

@@ -42,7 +42,7 @@ def measure(grid: list, repeats: int) -> list[dict]:
     for s, h in grid:
         for st in STRATEGIES:
             torch._dynamo.reset()
-            m = measure_step(autosp.compile(_model(h)[0], strategy=st), s, repeats, dist.barrier)
+            m = measure_step(autosp.compile(_model(h)[0], plan=st), s, repeats, dist.barrier)
             rows.append(dict(seq_len=s, heads=h, strategy=st, time=m["time"]))
     return rows
 

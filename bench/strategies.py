@@ -33,7 +33,7 @@ def distributed(seq_lens: list[int], strategies: list[str], repeats: int) -> lis
     for s in seq_lens:
         for st in strategies:
             torch._dynamo.reset()
-            m = measure_step(autosp.compile(tiny_model(), strategy=st), s, repeats, dist.barrier)
+            m = measure_step(autosp.compile(tiny_model(), plan=st), s, repeats, dist.barrier)
             rows.append(dict(world=world, seq_len=s, strategy=st, **m))
     return rows
 

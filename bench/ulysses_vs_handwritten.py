@@ -93,9 +93,9 @@ def run(seq_len: int, repeats: int) -> dict:
     base = transformers.AutoModelForCausalLM.from_config(hf_config("tiny"))
     hand_model = copy.deepcopy(base)
     hand_loss = _handwritten_model(hand_model, dist.group.WORLD)
-    auto = autosp.compile(copy.deepcopy(base), strategy="ulysses")   # like for like; local logits
+    auto = autosp.compile(copy.deepcopy(base), plan="ulysses")   # like for like; local logits
     planned = autosp.compile(copy.deepcopy(base))                     # the default: planned strategy
-    auto_gathered = autosp.compile(copy.deepcopy(base), strategy="ulysses", gather_outputs=True)
+    auto_gathered = autosp.compile(copy.deepcopy(base), plan="ulysses", runtime=autosp.Runtime(gather_outputs=True))
     ids = torch.randint(0, 2048, (1, seq_len), generator=torch.Generator().manual_seed(0))
 
     def step_hand():
@@ -121,7 +121,7 @@ def run(seq_len: int, repeats: int) -> dict:
     for _ in range(repeats):           # alternate A/B/C rounds
         for k, s in steps.items():
             times[k].append(median_time(s, 1, dist.barrier))
-    chosen = planned.plan.layers[0]["strategy"] if planned.plan is not None else "heuristic"
+    chosen = planned.plan.layers[0].choice.strategy if planned.plan is not None else "heuristic"
     return {"seq_len": seq_len, "times": {k: sorted(v)[len(v) // 2] for k, v in times.items()}, "losses": losses,
             "planned": chosen}
 

@@ -34,6 +34,20 @@ import time
 from autosp.tools.launch import median_time, spawn_gloo
 
 VOCAB = 1000
+def _options(config: dict) -> dict:
+    """autosp.compile's arguments for a row of AUTOSP_CONFIGS: Ulysses with the memory decisions
+    named, or the planner within a budget."""
+    import autosp
+
+    runtime = autosp.Runtime(compiler=config.get("compiler"))
+    if "memory_limit" in config:
+        return {"memory_limit": config["memory_limit"], "runtime": runtime}
+    return {"plan": autosp.Decisions.of(strategy="ulysses", checkpoint=config.get("checkpoint", "none"),
+                                        mlp_chunks=config.get("mlp_chunks", 1),
+                                        mesh=autosp.MeshChoice(loss_chunks=config.get("loss_chunks", 1))),
+            "runtime": runtime}
+
+
 AUTOSP_CONFIGS = {
     "autosp": {},
     "autosp, Inductor": {"compiler": "inductor"},
@@ -46,10 +60,10 @@ AUTOSP_CONFIGS = {
     "autosp, Inductor, full checkpointing + 8 MLP chunks + 8 loss chunks": {
         "compiler": "inductor", "checkpoint": "full", "mlp_chunks": 8, "loss_chunks": 8},
     # the planner's own choice (strategy, checkpointing, MLP and loss tiling) under a per-rank budget
-    "autosp, Inductor, planned within 200 MiB": {"compiler": "inductor", "strategy": "auto",
+    "autosp, Inductor, planned within 200 MiB": {"compiler": "inductor",
                                                  "memory_limit": 200 * 2**20},
     # a tighter budget: the planner checkpoints whole layers and tiles
-    "autosp, Inductor, planned within 160 MiB": {"compiler": "inductor", "strategy": "auto",
+    "autosp, Inductor, planned within 160 MiB": {"compiler": "inductor",
                                                  "memory_limit": 160 * 2**20},
 }
 
@@ -97,7 +111,7 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
 
     ids = _ids(seq_len)
     model = tiny()
-    sp = autosp.compile(model, **{"strategy": "ulysses", **config})
+    sp = autosp.compile(model, **_options(config))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> float:
@@ -110,7 +124,7 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
     seconds, peak, loss, first_s = _measure(step, repeats)
     plan = getattr(sp, "plan", None)
     chosen = "" if plan is None else "; ".join(
-        f"{layer['strategy']}, {layer['checkpoint']}, MLP x{layer.get('mlp_chunks', 1)}" for layer in plan.layers) \
+        f"{c.strategy}, {c.checkpoint}, MLP x{c.mlp_chunks}" for c in (layer.choice for layer in plan.layers)) \
         + f", loss x{plan.loss_chunks}"
     return dict(step_s=seconds, peak=peak, loss=loss, plan=chosen, first_s=first_s)
 
@@ -206,7 +220,7 @@ def autosp_longest(cap_bytes: float, step_tokens: int, max_len: int, config: dic
     import autosp
 
     model = tiny()
-    sp = autosp.compile(model, **{"strategy": "ulysses", **config})     # one compile serves every length
+    sp = autosp.compile(model, **_options(config))     # one compile serves every length
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def make_step(seq_len: int):

@@ -1,5 +1,5 @@
 """ZeRO 3's parameter gathers and gradient reduce-scatters overlapped with compute, against the
-same collectives blocking (``autosp.compile(..., zero_stage=3, overlap=False)``).
+same collectives blocking (``autosp.compile(..., zero=3, runtime=autosp.Runtime(overlap=False))``).
 
     python bench/zero3_overlap.py [--meshes 1x2 2x2] [--seq-len 2048] [--repeats 5] [--compiler inductor]
 
@@ -52,8 +52,8 @@ def measure(rows: int, seq_len: int, repeats: int, compiler: str) -> list[dict]:
     models, waited, losses, counts = {}, {f: [] for f in FORMS}, {}, {}
     for form, overlap in FORMS.items():
         torch._dynamo.reset()
-        models[form] = autosp.compile(model(), strategy="ulysses", mesh=mesh, zero_stage=3, overlap=overlap,
-                                      compiler=compiler)
+        models[form] = autosp.compile(model(), plan="ulysses", mesh=mesh, zero=3,
+                                      runtime=autosp.Runtime(compiler=compiler, overlap=overlap))
 
     def step(form: str) -> None:
         sp = models[form]

@@ -46,7 +46,7 @@ def main(out_dir: str) -> None:
         ref = build("llama")
         model = copy.deepcopy(ref)
         # the recipe: partial gradients, loss global over the mesh; DeepSpeed reduces
-        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, reduce_grads=False)
+        sp = autosp.compile(model, plan="ulysses", mesh=mesh, runtime=autosp.Runtime(reduce_grads=False))
         zero = {"stage": 3 if stage == "model" else 1 if stage == "own-sp" else stage,
                 "stage3_param_persistence_threshold": 0}      # partition even this tiny model's parameters
         config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,

@@ -190,6 +190,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def compile_options(strategy: str = "auto", plan: Any = None, checkpoint: Any = "none", layout: str | None = None,
+                    loss_chunks: int = 1, mlp_chunks: Any = 1, memory_limit: float | None = None,
+                    runtime: Any = None) -> dict[str, Any]:
+    """autosp.compile's arguments for a test's knobs: a saved plan, a budget for the planner, the
+    planner with some decisions fixed (strategy "auto"), or every decision fixed."""
+    run = {"runtime": runtime} if runtime is not None else {}
+    if plan is not None:
+        return {"plan": plan, **run}
+    if memory_limit is not None:
+        return {"memory_limit": memory_limit, **run}
+    if strategy == "auto":
+        fixed = {"checkpoint": None if checkpoint == "none" else checkpoint,
+                 "mlp_chunks": None if mlp_chunks == 1 else mlp_chunks, "loss_chunks": None if loss_chunks == 1 else loss_chunks}
+        return {"plan": autosp.Auto(**fixed), **run}
+    return {"plan": autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint, mlp_chunks=mlp_chunks,
+                                        mesh=autosp.MeshChoice(layout=layout, loss_chunks=loss_chunks)), **run}
+
+
 def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, uneven: bool = False,
                   strategy: str = "auto", plan: Any = None, compiler: str | None = None, checkpoint: Any = "none",
                   inputs: str = "", layout: str | None = None, memory_limit: float | None = None,
@@ -199,26 +217,17 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     sp_model = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = torch.optim.AdamW(sp_model.parameters(), lr=1e-3)
-    kw = {} if plan is not None else {"checkpoint": checkpoint}
-    if layout is not None:
-        kw["layout"] = layout
-    if loss_chunks != 1:
-        kw["loss_chunks"] = loss_chunks
-    if mlp_chunks != 1:
-        kw["mlp_chunks"] = mlp_chunks
-    if not overlap:
-        kw["overlap"] = False
-    if memory_limit is not None:
-        kw = {"memory_limit": memory_limit}
+    kw = compile_options(strategy, plan, checkpoint, layout, loss_chunks, mlp_chunks, memory_limit,
+                         runtime=autosp.Runtime(compiler=None if compiler == "default" else compiler, overlap=overlap))
     if compiler == "default":          # what a user gets: no compiler named, no $AUTOSP_COMPILER
         saved = os.environ.pop("AUTOSP_COMPILER", None)
         try:
-            sp = autosp.compile(sp_model, strategy=strategy, plan=plan, **kw)
+            sp = autosp.compile(sp_model, **kw)
         finally:
             if saved is not None:
                 os.environ["AUTOSP_COMPILER"] = saved
     else:
-        sp = autosp.compile(sp_model, strategy=strategy, plan=plan, compiler=compiler, **kw)
+        sp = autosp.compile(sp_model, **kw)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
     extra = _extra_inputs("packed" if inputs == "cu_seqlens" else inputs, batch, seq_len)
     extra_sp = extra
@@ -273,7 +282,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
 def expect_error(kind: str, seq_len: int = 32, strategy: str = "auto", **cfg: Any) -> str:
     """The AutospError message autosp gives for this model, or '' if it ran."""
     model = build(kind, **cfg)
-    sp = autosp.compile(model, strategy=strategy)
+    sp = autosp.compile(model, plan=strategy)
     ids, labels = _batch(0, 1, seq_len, False)
     try:
         _loss(sp, kind, ids, labels)
@@ -338,7 +347,7 @@ def loss_tiling_memory(seq_len: int = 1024, vocab: int = 8192) -> dict[str, Any]
     single = ref(input_ids=ids, labels=ids, use_cache=False).loss.item()
     for chunks in (1, 8):
         torch._dynamo.reset()
-        sp = autosp.compile(copy.deepcopy(ref), strategy="ulysses", loss_chunks=chunks)
+        sp = autosp.compile(copy.deepcopy(ref), plan=autosp.Decisions.of(strategy="ulysses", mesh=autosp.MeshChoice(loss_chunks=chunks)))
         sp(input_ids=ids, labels=ids).loss.backward()                      # compile outside the probe
         loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
         out[chunks] = {"peak": peak, "loss_err": abs(loss.item() - single) / single,
@@ -386,15 +395,15 @@ def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
     out = {}
     # Ulysses forced: what the user gets back does not depend on the strategy (planning would
     # capture the model once per compile).
-    default = autosp.compile(copy.deepcopy(ref), strategy="ulysses")
+    default = autosp.compile(copy.deepcopy(ref), plan="ulysses")
     with_labels = default(input_ids=ids, labels=labels).logits
     out["with_labels_len"] = with_labels.shape[1]
     lo = rank * local_len
     hi = min(lo + local_len, seq_len)
     out["with_labels_err"] = _rel(with_labels[:, : hi - lo], full[:, lo:hi])
-    no_labels = autosp.compile(copy.deepcopy(ref), strategy="ulysses")(input_ids=ids).logits
+    no_labels = autosp.compile(copy.deepcopy(ref), plan="ulysses")(input_ids=ids).logits
     out["no_labels_len"], out["no_labels_err"] = no_labels.shape[1], _rel(no_labels, full)
-    gathered = autosp.compile(copy.deepcopy(ref), strategy="ulysses", gather_outputs=True)
+    gathered = autosp.compile(copy.deepcopy(ref), plan="ulysses", runtime=autosp.Runtime(gather_outputs=True))
     gathered = gathered(input_ids=ids, labels=labels).logits
     out["gathered_len"], out["gathered_err"] = gathered.shape[1], _rel(gathered, full)
     out["local_len"] = local_len
@@ -438,16 +447,15 @@ def plan_apply(tmp: str, seq_len: int = 32) -> dict[str, Any]:
     """A saved plan (mixed strategies) applied with plan=: exact, and refused when it does not match."""
     import torch.distributed as dist
 
-    from autosp.planner.plan import Plan
+    from autosp.decisions import LayerChoice, MeshChoice
+    from autosp.planner.plan import LayerPlan, Plan
 
     world = dist.get_world_size()
     plan = Plan(model="reference", fingerprint="x", seq_len=seq_len, batch_size=2, dtype="float32",
-                world_size=world, devices_per_node=world, sp_degree=world, dp_degree=1, layout="zigzag",
-                layers=[{"class": "Block", "count": 1, "strategy": "ulysses", "checkpoint": "none",
-                         "ulysses_degree": world, "ring_degree": 1},
-                        {"class": "Block", "count": 1, "strategy": "zigzag_ring", "checkpoint": "none",
-                         "ulysses_degree": 1, "ring_degree": world}],
-                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0, loss_chunks=2)
+                world_size=world, devices_per_node=world, dp_degree=1, mesh=MeshChoice(world, "zigzag", loss_chunks=2),
+                layers=[LayerPlan("Block", "", 1, LayerChoice("ulysses"), ulysses_degree=world),
+                        LayerPlan("Block", "", 1, LayerChoice("zigzag_ring"), ring_degree=world)],
+                predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0)
     path = f"{tmp}/plan-{dist.get_rank()}.json"
     plan.save(path)
     out = train_compare("reference", seq_len=seq_len, steps=1, strategy="auto", plan=path)
@@ -492,7 +500,7 @@ def toy_strategy_compare(seq_len: int = 32) -> dict[str, Any]:
     p = autosp.plan(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2, world_size=world,
                     profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,))
     planned = train_compare("llama", seq_len=seq_len, steps=2, plan=p, heads=4, kv=2)
-    return {"forced": forced, "planned": planned, "plan_strategies": [layer["strategy"] for layer in p.layers]}
+    return {"forced": forced, "planned": planned, "plan_strategies": [layer.choice.strategy for layer in p.layers]}
 
 
 def inputs_embeds_compare(kind: str = "llama", seq_len: int = 32, steps: int = 2, strategy: str = "auto",
@@ -503,7 +511,7 @@ def inputs_embeds_compare(kind: str = "llama", seq_len: int = 32, steps: int = 2
     torch.manual_seed(1)
     up_ref = torch.nn.Sequential(torch.nn.Embedding(128, hidden), torch.nn.Linear(hidden, hidden))
     sp_model, up_sp = copy.deepcopy(ref), copy.deepcopy(up_ref)
-    sp = autosp.compile(sp_model, strategy=strategy)
+    sp = autosp.compile(sp_model, plan=strategy)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "upstream_grad_err": 0.0}
     for step in range(steps):
         ids, labels = _batch(step, 2, seq_len, False)
@@ -530,7 +538,7 @@ def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any
     import warnings
 
     model = build(kind, **cfg).train()
-    sp = autosp.compile(model, strategy=strategy)
+    sp = autosp.compile(model, plan=strategy)
     ids, labels = _batch(0, 1, seq_len, False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -554,8 +562,8 @@ def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: 
     for mode in modes:
         ck, mlp, lc = (mode, 1, 1) if isinstance(mode, str) else mode
         torch._dynamo.reset()
-        sp = autosp.compile(tiny_model(), strategy=strategy, checkpoint=ck, compiler=compiler, mlp_chunks=mlp,
-                            loss_chunks=lc)
+        sp = autosp.compile(tiny_model(), **compile_options(strategy, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc,
+                                                            runtime=autosp.Runtime(compiler=compiler)))
         m = measure_step(sp, seq_len, repeats=0)
         predicted = step_peak(graph, load_profile("cpu-gloo"), sp=dist.get_world_size(), strategy=strategy,
                               seq_len=seq_len, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc)
@@ -570,7 +578,7 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
     import torch.distributed as dist
 
     exact = train_compare("reference_break_after", seq_len=seq_len, steps=1, strategy="ulysses")
-    sp = autosp.compile(build("reference_break_after"), strategy="ulysses", reduce_grads=False)
+    sp = autosp.compile(build("reference_break_after"), plan="ulysses", runtime=autosp.Runtime(reduce_grads=False))
     ids, labels = _batch(0, 2, seq_len, False)
     loss = _loss(sp, "reference", ids, labels)
     try:
@@ -599,10 +607,11 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
     if plan_dir:           # the same configuration, as a plan file applied whole
         path = f"{plan_dir}/plan-{dist.get_rank()}.json"
         _dp_plan(kind, seq_len, rows, strategy, zero_stage).save(path)
-        sp = autosp.compile(model, plan=path, bucket_mb=bucket_mb)
+        sp = autosp.compile(model, plan=path, zero=autosp.Zero(bucket_mb=bucket_mb))
     else:
-        sp = autosp.compile(model, strategy=strategy, mesh=mesh, zero_stage=zero_stage, bucket_mb=bucket_mb,
-                            zero_shard=zero_shard, compiler=compiler)
+        sp = autosp.compile(model, plan=strategy, mesh=mesh,
+                            zero=autosp.Zero(stage=zero_stage, bucket_mb=bucket_mb, shard=zero_shard),
+                            runtime=autosp.Runtime(compiler=compiler))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_sp = sp.optimizer(torch.optim.AdamW, lr=1e-3)
     out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
@@ -659,15 +668,15 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
 
 def _dp_plan(kind: str, seq_len: int, rows: int, strategy: str, zero_stage: int | None,
              devices_per_node: int = 4) -> Any:
-    from autosp.planner.plan import Plan
+    from autosp.decisions import LayerChoice, MeshChoice
+    from autosp.planner.plan import LayerPlan, Plan
 
     sp = 4 // rows
     u, r = (int(x) for x in strategy.split(":")[1].split("x")) if strategy.startswith("hybrid") else \
         ((sp, 1) if strategy == "ulysses" else (1, sp))
     return Plan(model=kind, fingerprint="x", seq_len=seq_len, batch_size=2, dtype="float32", world_size=4,
-                devices_per_node=devices_per_node, sp_degree=sp, dp_degree=rows, layout="contiguous",
-                layers=[{"class": "Layer", "count": 2, "strategy": strategy, "checkpoint": "none",
-                         "ulysses_degree": u, "ring_degree": r}],
+                devices_per_node=devices_per_node, dp_degree=rows, mesh=MeshChoice(sp, "contiguous"),
+                layers=[LayerPlan("Layer", "", 2, LayerChoice(strategy), ulysses_degree=u, ring_degree=r)],
                 predicted={}, profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=zero_stage or 0)
 
 
@@ -689,7 +698,7 @@ def dp_sp_accumulate(seq_len: int = 32) -> dict[str, Any]:
     row = mesh.get_local_rank("dp")
     ref = build("llama")
     model = copy.deepcopy(ref)
-    sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=0)
+    sp = autosp.compile(model, plan="ulysses", mesh=mesh, zero=0)
     micro = [_batch(i, 4, seq_len, True) for i in range(2)]
     # one process: each micro-batch's loss over all four rows, backward twice (gradients add up)
     for ids, labels in micro:
@@ -720,7 +729,7 @@ def _user_fsdp_step() -> Any:
         fully_shard(layer)
     fully_shard(model)
     ids, labels = _batch(0, 2, 32, False)
-    return _loss(autosp.compile(model, strategy="ulysses", reduce_grads=False), "llama", ids, labels)
+    return _loss(autosp.compile(model, plan="ulysses", runtime=autosp.Runtime(reduce_grads=False)), "llama", ids, labels)
 
 
 def _with_env(**env: str) -> Any:
@@ -761,18 +770,19 @@ def dp_sp_errors() -> list[str]:
     pair, _ = dist.new_subgroups(group_size=2)
     attempts = [
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))),
-        lambda: autosp.compile(build("llama"), sp_size=3),
-        lambda: autosp.compile(build("llama"), zero_stage=5),
-        lambda: autosp.compile(build("llama"), group=pair, zero_stage=3),
-        lambda: autosp.compile(build("llama"), zero_stage=0, reduce_grads=False),
+        lambda: autosp.compile(build("llama"), mesh=3),
+        lambda: autosp.compile(build("llama"), zero=5),
+        lambda: autosp.compile(build("llama"), mesh=pair, zero=3),
+        lambda: autosp.compile(build("llama"), zero=0, runtime=autosp.Runtime(reduce_grads=False)),
         lambda: autosp.compile(build("llama"), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("sp",)), sp_size=4),
         lambda: autosp.compile(build("llama")).no_sync(),
         lambda: _user_fsdp_step(),
         lambda: _with_env(LOCAL_WORLD_SIZE="2")(
             lambda: autosp.compile(build("llama"), plan=_dp_plan("llama", 32, 1, "hybrid:2x2", 0))),
-        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=3, checkpoint="full", compiler="aot_eager"),
-        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=3, zero_shard=3),
-        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero_stage=2, zero_shard=2),
+        lambda: autosp.compile(build("llama"), plan=autosp.Auto(checkpoint="full"), mesh=_mesh22(), zero=3,
+                               runtime=autosp.Runtime(compiler="aot_eager")),
+        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero=autosp.Zero(stage=3, shard=3)),
+        lambda: autosp.compile(build("llama"), mesh=_mesh22(), zero=autosp.Zero(stage=2, shard=2)),
     ]
     for attempt in attempts:
         try:
@@ -798,7 +808,7 @@ def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, 
         row = mesh.get_local_rank("dp")
         torch.manual_seed(1 if load else 0)                 # the resumed model starts from other weights
         model = build("llama")
-        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=stage)
+        sp = autosp.compile(model, plan="ulysses", mesh=mesh, zero=stage)
         opt = sp.optimizer(torch.optim.AdamW, lr=1e-2)
         extra = autosp.checkpoint.load(sp, opt, path) if load else {}
         losses, full = [], None
@@ -906,7 +916,7 @@ def zero3_in_graph(seq_len: int = 64, steps: int = 1, compilers: tuple[str, ...]
         torch._dynamo.reset()
         one, model = copy.deepcopy(ref), copy.deepcopy(ref)
         mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "sp"))
-        sp = autosp.compile(model, strategy="ulysses", mesh=mesh, zero_stage=3, compiler=compiler)
+        sp = autosp.compile(model, plan="ulysses", mesh=mesh, zero=3, runtime=autosp.Runtime(compiler=compiler))
         opt, opt_one = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
         row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
         for step in range(steps):
@@ -940,7 +950,7 @@ def _zero3_events():
     all-to-alls (``a``) between them: ``G`` a gather starts, ``g`` waited for; ``R`` a gradient
     reduction starts, ``r`` waited for; ``|`` the backward begins."""
     from autosp.strategies import collectives
-    from autosp.transform import zero3_overlap
+    from autosp.transform.zero import prefetch as zero3_overlap
 
     events: list[str] = []
     saved = collectives.tally, zero3_overlap.tally, zero3_overlap.wait_all

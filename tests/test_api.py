@@ -9,17 +9,18 @@ from autosp.errors import AutospError
 
 def test_unknown_compiler_lists_the_known_ones():
     with pytest.raises(AutospError, match="unknown compiler 'tvm'; use one of inductor, aot_eager, eager"):
-        autosp.compile(torch.nn.Linear(2, 2), compiler="tvm", strategy="ulysses")
+        autosp.compile(torch.nn.Linear(2, 2), plan="ulysses", runtime=autosp.Runtime(compiler="tvm"))
 
 
 def test_unknown_strategy_lists_the_registered_ones():
     with pytest.raises(AutospError, match="unknown strategy 'magic'; use one of auto, .*ulysses.*hybrid:UxR"):
-        autosp.compile(torch.nn.Linear(2, 2), strategy="magic")
+        autosp.compile(torch.nn.Linear(2, 2), plan="magic")
 
 
 def test_a_layout_the_strategy_cannot_use_is_refused():
     with pytest.raises(AutospError, match="need layout='zigzag'"):
-        autosp.compile(torch.nn.Linear(2, 2), strategy="zigzag_ring", layout="contiguous")
+        autosp.compile(torch.nn.Linear(2, 2), plan=autosp.Decisions.of(
+            strategy="zigzag_ring", mesh=autosp.MeshChoice(layout="contiguous")))
 
 
 def test_cu_seqlens_to_positions_and_its_errors():
@@ -46,4 +47,76 @@ def test_the_default_compiler_is_inductor_unless_the_environment_names_another(m
     assert default_compiler() == "aot_eager" and default_compiler("balanced") == "eager"
     monkeypatch.setenv("AUTOSP_COMPILER", "tvm")
     with pytest.raises(AutospError, match="AUTOSP_COMPILER='tvm' is not a compiler; use one of inductor, aot_eager"):
-        autosp.compile(torch.nn.Linear(2, 2), strategy="ulysses")
+        autosp.compile(torch.nn.Linear(2, 2), plan="ulysses")
+
+
+def test_compile_is_one_function_with_few_parameters_each_documented():
+    import inspect
+
+    params = inspect.signature(autosp.compile).parameters
+    assert len(params) <= 8, list(params)
+    doc = autosp.compile.__doc__
+    assert "Args:" in doc and all(f"    {name}:" in doc for name in params if name != "deprecated")
+
+
+def _translated(monkeypatch, **old):
+    """What the front door hands the transform for the old keywords (no process group: the
+    arguments are checked and typed, then the model comes back whole)."""
+    import autosp.transform.api as api
+
+    seen = {}
+
+    def build(model, decisions, **kw):
+        seen.update(decisions=decisions, **kw)
+        return model
+
+    monkeypatch.setattr(api, "build", build)
+    with pytest.warns(DeprecationWarning) as caught:
+        autosp.compile(torch.nn.Linear(2, 2), **old)
+    return seen, str(caught[0].message)
+
+
+def test_old_keywords_keep_working_and_name_the_new_spelling(monkeypatch):
+    seen, msg = _translated(monkeypatch, strategy="ring", checkpoint="full", layout="zigzag", loss_chunks=4,
+                            zero_stage=1, bucket_mb=5, compiler="eager", overlap=False, sp_size=2)
+    assert seen["decisions"] == autosp.Decisions.of(strategy="ring", checkpoint="full",
+                                                    mesh=autosp.MeshChoice(layout="zigzag", loss_chunks=4))
+    assert seen["zero"] == autosp.Zero(stage=1, bucket_mb=5) and seen["mesh"] == 2
+    assert seen["runtime"] == autosp.Runtime(compiler="eager", overlap=False)
+    assert "zero=autosp.Zero(stage=1, bucket_mb=5)" in msg and "runtime=autosp.Runtime(compiler='eager'" in msg
+    # the planner with checkpointing fixed: the planner is told, and plans around it
+    seen, msg = _translated(monkeypatch, checkpoint="selective", mlp_chunks=8)
+    assert seen["provider"].checkpoints == ("selective",) and seen["provider"].mlp_chunks == (8,)
+    assert seen["decisions"].checkpoint == "selective" and "plan=autosp.Auto(checkpoint='selective'" in msg
+    with pytest.raises(AutospError, match="unknown keyword.*strateg; its options are plan, mesh"):
+        autosp.compile(torch.nn.Linear(2, 2), strateg="ring")
+    with pytest.raises(AutospError, match="not both"):
+        autosp.compile(torch.nn.Linear(2, 2), zero=1, zero_stage=1)
+
+
+def test_option_groups_check_their_fields_where_they_are_made():
+    from autosp.options import parse_bytes
+
+    with pytest.raises(AutospError, match="ZeRO stage must be 0, 1, 2 or 3"):
+        autosp.Zero(stage=4)
+    with pytest.raises(AutospError, match="needs stage=3"):
+        autosp.Zero(stage=2, shard="node")
+    with pytest.raises(AutospError, match="unknown checkpointing 'most'"):
+        autosp.Auto(checkpoint="most")
+    with pytest.raises(AutospError, match="mlp_chunks must be a positive integer"):
+        autosp.Decisions.of(strategy="ulysses", mlp_chunks=0)
+    with pytest.raises(AutospError, match="one entry per transformer layer"):
+        autosp.Decisions.of(strategy=["ulysses", "ring"], checkpoint=["none", "full", "full"])
+    assert parse_bytes("40GiB") == 40 * 2 ** 30 and parse_bytes("1.5 GB") == 1.5e9 and parse_bytes(1e9) == 1e9
+    with pytest.raises(AutospError, match="size such as '40GiB'"):
+        parse_bytes("lots")
+    with pytest.raises(AutospError, match="budget for the planner"):
+        autosp.compile(torch.nn.Linear(2, 2), plan="ulysses", memory_limit="1GiB")
+
+
+def test_decisions_collapse_per_layer_only_where_layers_differ():
+    same = autosp.Decisions.of(strategy=["ulysses", "ulysses"], checkpoint="full")
+    assert same.strategy == "ulysses" and same.checkpoint == "full" and len(same.layers) == 2
+    mixed = autosp.Decisions.of(strategy=["ulysses", "ring"], mlp_chunks=[1, 8])
+    assert mixed.strategy == ["ulysses", "ring"] and mixed.mlp_chunks == [1, 8] and mixed.checkpoint == "none"
+    assert mixed.layers[1] == autosp.LayerChoice("ring", "none", 8)

@@ -38,3 +38,16 @@ def test_deepspeed_zero_2_and_3_train_exactly(tmp_path):
     assert "model=sp_model" in res["model"]["refused"]
     assert "own sequence-parallel group (ranks [0, 1, 2, 3]" in res["own-sp"]["refused"]
     assert "leave sequence_parallel_size" in res["own-sp"]["refused"]
+
+
+def test_the_deepspeed_example_of_the_docs_trains(tmp_path):
+    """``examples/deepspeed_zero.py`` (docs/howto/deepspeed.md includes it) on a 2 x 2 mesh."""
+    from autosp.tools.launch import free_port
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          "--master-port", str(free_port()), os.path.join(HERE, "..", "examples", "deepspeed_zero.py")],
+                         env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
+    losses = [float(line.split()[-1]) for line in job.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and all(3.0 < x < 6.0 for x in losses), job.stdout[-2000:]

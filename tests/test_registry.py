@@ -1,6 +1,8 @@
 """The strategy registry is real: a strategy added from a test reaches compile's checks, the
 cost model and the planner; the built-in ones declare what the cost model charges."""
 
+from dataclasses import asdict
+
 import pytest
 
 import autosp
@@ -38,14 +40,14 @@ def test_planner_chooses_among_registered_strategies(toy, tiny):
     assert toy in {s.spec for s in candidates(SPMesh(2), shape)}
     p = autosp.plan(None, graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,),
                     strategies=(toy,))
-    assert [layer["strategy"] for layer in p.layers] == [toy]
+    assert [layer.choice.strategy for layer in p.layers] == [toy]
     # Runner-ups come from the solver (no-good cuts): other layouts, checkpointing and tiling, each once.
     assert p.solver["solves"] == len(p.alternatives) + 1 >= 2
     assert all(c["strategy"] == toy for a in p.alternatives for c in a["layers"].values())
     seen = {(a["layout"], a["loss_chunks"]) + tuple((c["strategy"], c["checkpoint"], c["mlp_chunks"])
                                                     for c in a["layers"].values())
             for a in [{"layout": p.layout, "loss_chunks": p.loss_chunks,
-                       "layers": {x["fingerprint"]: x for x in p.layers}}] + p.alternatives}
+                       "layers": {x.fingerprint: asdict(x.choice) for x in p.layers}}] + p.alternatives}
     assert len(seen) == len(p.alternatives) + 1
     assert all(a["total_s"] >= p.predicted["total_s"] for a in p.alternatives)
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import autosp
+
 from dist_harness import Pool
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -275,7 +277,8 @@ def test_cu_seqlens_become_restarting_positions_and_reach_the_planner(pool):
 
 
 def test_balanced_layout_needs_the_eager_compiler(pool):
-    msg = run_ok(pool, "expect_error_compile", layout="balanced", compiler="aot_eager")[0]
+    msg = run_ok(pool, "expect_error_compile", runtime=autosp.Runtime(compiler="aot_eager"),
+                 plan=autosp.Decisions.of(strategy="ulysses", mesh=autosp.MeshChoice(layout="balanced")))[0]
     assert "layout='balanced'" in msg and "compiler='eager'" in msg
 
 
@@ -290,7 +293,7 @@ def test_a_memory_limit_makes_the_planner_checkpoint_and_the_transform_apply_it(
     res = run_ok(pool, "memory_budget_compare")
     r = res[0]
     assert r["peaks"]["full"] < r["limit"] < r["peaks"]["none"]
-    chosen = [(layer["checkpoint"], layer["mlp_chunks"]) for layer in r["plan_layers"]]
+    chosen = [(layer.choice.checkpoint, layer.choice.mlp_chunks) for layer in r["plan_layers"]]
     assert chosen and all(c != ("none", 1) for c in chosen), chosen     # what the planner chose...
     ran = {(a["checkpoint"], a["mlp_chunks"]) for a in r["report"]["attention"]}
     assert ran == set(chosen), (ran, chosen)                              # ...is what ran

@@ -175,7 +175,7 @@ def test_zero_stages_with_the_planner_choosing_equal_one_process(pool, stage):
     res = run_ok(pool, "dp_sp_compare", kind="qwen3", strategy="auto", zero_stage=stage, compiler="aot_eager", steps=2)
     planned = res[0]["plan"]
     assert planned is not None and planned["zero_stage"] == stage, planned     # planned for this stage
-    strategy = planned["layers"][0]["strategy"]
+    strategy = planned["layers"][0].choice.strategy
     check_dp_sp(res, strategy, stage)
     assert all(r["compiler"] == "aot_eager" and r["plan"] == planned for r in res)
 
@@ -230,16 +230,16 @@ def test_mesh_and_zero_stage_errors_name_the_fix(pool):
     msgs = run_ok(pool, "dp_sp_errors")[0]
     assert "named 'sp'" in msgs[0] and "mesh_dim_names=('dp', 'sp')" in msgs[0]
     assert "does not divide the world size 4" in msgs[1]
-    assert "must be one of 0, 1, 2, 3" in msgs[2]
+    assert "ZeRO stage must be 0, 1, 2 or 3" in msgs[2]
     assert "zero_stage=3" in msgs[3] and "pass mesh=" in msgs[3]
     assert "contradicts" in msgs[4]
     assert "not both" in msgs[5]
-    assert "compile with zero_stage=0-3" in msgs[6]
+    assert "zero=autosp.Zero(stage=0..3)" in msgs[6]
     assert "already wrapped with FSDP" in msgs[7] and "zero_stage=2 or 3" in msgs[7]
     assert "node of 4 devices" in msgs[8] and "--devices-per-node 2" in msgs[8]
     assert "checkpoint='full'" in msgs[9] and "checkpoint='selective'" in msgs[9]
     assert "zero_shard=3 does not divide the mesh's 4 ranks" in msgs[10]
-    assert "zero_shard applies to zero_stage=3" in msgs[11]
+    assert "needs stage=3" in msgs[11]
 
 
 def test_checkpoints_resume_bit_for_bit_and_load_without_autosp(pool, tmp_path):

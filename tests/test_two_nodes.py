@@ -30,7 +30,7 @@ def test_two_nodes_keep_ulysses_inside_a_node_and_ring_across(tmp_path):
         r = json.load(f)
     # the planner took 2 devices per node from the launch and split the SP group by node
     assert r["local_world"] == "2" and r["devices_per_node"] == 2
-    assert [(c["strategy"], c["ulysses_degree"], c["ring_degree"]) for c in r["plan_layers"]] == [("hybrid:2x2", 2, 2)]
+    assert [(c["choice"]["strategy"], c["ulysses_degree"], c["ring_degree"]) for c in r["plan_layers"]] == [("hybrid:2x2", 2, 2)]
     assert r["strategies"] == ["hybrid:2x2"] * 2
     for groups in r["groups"]:      # per rank: the nodes of its Ulysses group's and its ring group's ranks
         assert len(set(groups["ulysses_group"])) == 1, groups            # Ulysses inside one node

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autosp.strategies import AttentionCost, AttentionShape, SPMesh, Strategy, Transfer, register
-from autosp.strategies.base import blockwise_kernel_calls
+from autosp.strategies.ring_costs import blockwise_kernel_calls
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather, all_reduce_sum, group_size, resolve_group
 from autosp.strategies.layout import all_chunks, rank_chunks

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import asdict
 from datetime import timedelta
 
 import torch
@@ -58,7 +59,8 @@ def main(out_dir: str) -> None:
         keep = ("loss_err", "grad_err", "param_err", "strategies", "plan_layers", "report")
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({**{k: res[k] for k in keep}, "groups": every, "local_world": os.environ["LOCAL_WORLD_SIZE"],
-                       "devices_per_node": res["plan_devices_per_node"]}, f)
+                       "devices_per_node": res["plan_devices_per_node"]}, f,
+                      default=asdict)              # the plan's typed layers, as the plan file holds them
     dist.destroy_process_group()
 
 

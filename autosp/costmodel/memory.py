@@ -27,10 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from autosp.decisions import CHECKPOINTS
 from autosp.graph import OpGraph, OpKind, evaluate
 
-CHECKPOINTS = ("none", "selective", "full")
-MLP_CHUNKS = (1, 8)            # token chunks of a layer's MLP the planner chooses between
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -286,9 +285,6 @@ def layer_saved(graph: OpGraph, tokens: float, checkpoint: str, mlp_chunks: int,
     mem, tiled = saved_per_layer(graph, tokens, compiled), mlp_saved(graph, tokens, compiled)
     return {fp: mem[fp][checkpoint] - (tiled[fp][checkpoint] if mlp_chunks > 1 and tiled[fp]["tileable"] else 0.0)
             for fp in mem}
-
-
-LOSS_CHUNKS = (1, 8)           # token chunks of the LM head and loss the planner chooses between
 
 
 def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: float, untraced: float,

@@ -236,17 +236,17 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     parameter gathers.
 
     Stages 0 and 1 all-reduce buckets launched as each fills during the backward
-    (:mod:`autosp.transform.grad_reducer`): every bucket but the last moves beside the
+    (:mod:`autosp.transform.zero.grad_reducer`): every bucket but the last moves beside the
     backward compute still to run, t = all buckets, t_last = the last one's, the backward
     beside them slowed by the profile's compute concurrency factor:
         exposed = t_last + max(0, s_comm * (t - t_last) - backward_s)
                   + (s_compute - 1) * min(backward_s, s_comm * (t - t_last))
     Stage 2 shards with one FSDP unit (the root): its gathers and its reduce-scatter run
     before the forward and after the backward, exposed in full.
-    Stage 3 gathers per unit inside the graph (:mod:`autosp.transform.zero3`): U = the blocks
+    Stage 3 gathers per unit inside the graph (:mod:`autosp.transform.zero.gather`): U = the blocks
     + 2 units (embedding, head), each a gather g and a reduce-scatter r of 1/U of the
     parameters; the backward gathers each again, blocking (recomputed where it is needed).
-    Overlapped (:mod:`autosp.transform.zero3_overlap`) unit k+1's gather moves beside unit k's
+    Overlapped (:mod:`autosp.transform.zero.prefetch`) unit k+1's gather moves beside unit k's
     forward f = forward_s / U, and unit k's reduce-scatter beside unit k-1's backward
     b = backward_s / U, each slowed by the profile's concurrency factors:
         hide(c, w) = max(0, s_comm * c - w) + (s_compute - 1) * min(w, s_comm * c)
@@ -306,10 +306,10 @@ def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspa
 
 
 def zero3_transient(graph: OpGraph) -> float:
-    """ZeRO 3 gathered inside the graph (:mod:`autosp.transform.zero3`): besides its shards a rank
+    """ZeRO 3 gathered inside the graph (:mod:`autosp.transform.zero.gather`): besides its shards a rank
     holds about three copies of one unit at its backward's peak: blocking, the parameters gathered
     again, their whole gradients and the flat buffer the reduce-scatter sends; overlapped
-    (:mod:`autosp.transform.zero3_overlap`), the gradients, their buffer and the unit after's buffer
+    (:mod:`autosp.transform.zero.prefetch`), the gradients, their buffer and the unit after's buffer
     still in flight (the parameters are dead by then). A unit is a transformer block, or the
     embedding or the head (half the parameters outside the blocks)."""
     unit = max([lc.params for lc in graph.layer_classes.values()] + [graph.nonlayer_params / 2])

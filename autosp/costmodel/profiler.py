@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from autosp.costmodel.profile import SCHEMA
 from autosp.costmodel.sync_skew import measure_sync_skew
 from autosp.errors import AutospError
-from autosp.tools.launch import median_time
+from autosp.timing import median_time
 
 
 ALONE = object()          # _timeit's group when no other rank takes the same decisions

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autosp.tools.launch import median_time
+from autosp.timing import median_time
 
 
 def measure_sync_skew(device: torch.device, sync: Callable[[], None], groups: list[tuple[int, Any]],

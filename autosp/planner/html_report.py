@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+from dataclasses import asdict
 
 from autosp.planner.plan import Plan
 from autosp.planner.report import human, layer_choices
@@ -35,7 +36,7 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
     pr = plan.predicted
     chosen = {"sp": plan.sp_degree, "layout": plan.layout, "total_s": pr["total_s"], "peak_bytes": pr["peak_bytes"],
               "compute_s": pr["compute_s"], "exposed_comm_s": pr["exposed_comm_s"],
-              "layers": {layer["fingerprint"]: layer for layer in plan.layers}}
+              "layers": {layer.fingerprint: asdict(layer.choice) for layer in plan.layers}}
     rows = [chosen] + plan.alternatives
     out = []
 
@@ -77,9 +78,9 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
 
 def write_html(plan: Plan, path: str) -> None:
     pr = plan.predicted
-    rows = "".join(f"<tr><td>{html.escape(layer['class'])} x{layer['count']}</td><td>{layer['strategy']}</td>"
-                   f"<td>{layer['ulysses_degree']} x {layer['ring_degree']}</td>"
-                   f"<td>{layer['checkpoint']}</td></tr>" for layer in plan.layers)
+    rows = "".join(f"<tr><td>{html.escape(layer.module_type)} x{layer.count}</td><td>{layer.choice.strategy}</td>"
+                   f"<td>{layer.ulysses_degree} x {layer.ring_degree}</td>"
+                   f"<td>{layer.choice.checkpoint}</td></tr>" for layer in plan.layers)
     alt_rows = "".join(f"<tr><td>{a['sp']}</td><td>{a['layout']}</td><td>{html.escape(layer_choices(a))}</td>"
                        f"<td>{a['total_s']:.3f}</td><td>{human(a['peak_bytes'], 'B')}</td></tr>"
                        for a in plan.alternatives)

@@ -1,10 +1,12 @@
 """``Plan``: the planner's answer as a versioned JSON document.
 
 A plan names the model (by a structural fingerprint), the world layout (SP x DP),
-the token layout, per layer class the attention strategy (with its Ulysses x ring
-grid) and activation checkpointing, the predicted step time and memory, and the runner-up
-alternatives with their predictions. ``check`` refuses a plan made for another
-model, world size or sequence length.
+the mesh's decisions (:class:`autosp.decisions.MeshChoice`: SP degree, token layout, loss
+tiling, ZeRO 3 sharding), per layer class its decisions (:class:`autosp.decisions.LayerChoice`:
+attention strategy, checkpointing, MLP tiling) with the strategy's Ulysses x ring grid, the
+predicted step time and memory, and the runner-up alternatives with their predictions.
+``check`` refuses a plan made for another model, world size or sequence length;
+``decisions()`` is what the runtime applies, as the planner chose it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autosp.decisions import Decisions, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 
-SCHEMA = "autosp.plan/2"     # 2: the Ulysses x ring grid is per layer class, not global
+SCHEMA = "autosp.plan/3"     # 3: typed decisions (per mesh, per layer class); 2: flat fields, still read
+_READS = ("autosp.plan/2", SCHEMA)
 
 
 def model_fingerprint(graph) -> str:
@@ -25,6 +29,35 @@ def model_fingerprint(graph) -> str:
     parts = sorted(f"{lc.fingerprint}x{lc.count}" for lc in graph.layer_classes.values())
     dropout = "|dropout" if graph.attention_dropout else ""
     return hashlib.sha1(f"{graph.total_params}|{'|'.join(parts)}{dropout}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A class of ``count`` structurally identical layers and what the plan has them do."""
+
+    module_type: str
+    fingerprint: str
+    count: int
+    choice: LayerChoice
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    overlap: str = "none"               # how the strategy pipelines its collectives, in words
+    exposed_comm_s: float = 0.0         # predicted SP communication left exposed, all ``count`` layers
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-2 plan (flat per-layer dicts, flat mesh fields) in schema 3's form."""
+    data = dict(data)
+    data["mesh"] = {"sp_degree": data.pop("sp_degree"), "layout": data.pop("layout"),
+                    "loss_chunks": data.pop("loss_chunks", 1), "zero_shard": data.pop("zero_shard", 0)}
+    data["layers"] = [{"module_type": d["class"], "fingerprint": d.get("fingerprint", ""), "count": d["count"],
+                       "choice": {"strategy": d["strategy"], "checkpoint": d["checkpoint"],
+                                  "mlp_chunks": d.get("mlp_chunks", 1)},
+                       "ulysses_degree": d.get("ulysses_degree", 1), "ring_degree": d.get("ring_degree", 1),
+                       "overlap": d.get("overlap", "none"), "exposed_comm_s": d.get("exposed_comm_s", 0.0)}
+                      for d in data["layers"]]
+    data["schema"] = SCHEMA
+    return data
 
 
 @dataclass
@@ -36,11 +69,9 @@ class Plan:
     dtype: str
     world_size: int
     devices_per_node: int
-    sp_degree: int
     dp_degree: int
-    layout: str
-    # per layer class: class, fingerprint, count, strategy, checkpoint, mlp_chunks, ulysses_degree, ring_degree
-    layers: list[dict[str, Any]]
+    mesh: MeshChoice
+    layers: list[LayerPlan]                   # per layer class, in model order
     predicted: dict[str, Any]                 # compute_s, exposed_comm_s, total_s, memory, ...
     profile: str
     memory_limit_bytes: float
@@ -48,9 +79,30 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     solver: dict[str, Any] = field(default_factory=dict)
     schema: str = SCHEMA
-    loss_chunks: int = 1                      # token chunks of the LM head and loss (1: untiled)
     memory_margin: float = 0.0                # share of the limit left free for the memory model's error
-    zero_shard: int = 0                       # ZeRO 3: 0 shards over every rank; k over each k (a node, HSDP)
+
+    def __post_init__(self) -> None:          # JSON gives dicts: typed on the way in
+        if isinstance(self.mesh, dict):
+            self.mesh = MeshChoice(**self.mesh)
+        self.layers = [layer if isinstance(layer, LayerPlan) else
+                       LayerPlan(**{**layer, "choice": LayerChoice(**layer["choice"])}) for layer in self.layers]
+
+    # the mesh's decisions, read where they live
+    @property
+    def sp_degree(self) -> int:
+        return self.mesh.sp_degree
+
+    @property
+    def layout(self) -> str:
+        return self.mesh.layout
+
+    @property
+    def loss_chunks(self) -> int:
+        return self.mesh.loss_chunks
+
+    @property
+    def zero_shard(self) -> int:
+        return self.mesh.zero_shard
 
     # ------------------------------------------------------------------ io
     def to_json(self) -> str:
@@ -70,12 +122,12 @@ class Plan:
                 from None
         except json.JSONDecodeError as e:
             raise AutospError(f"plan file {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        if data.get("schema") != SCHEMA:
-            raise AutospError(f"plan file {path} has schema '{data.get('schema')}', this autosp reads '{SCHEMA}'; "
-                              "re-plan with `autosp plan`")
+        if data.get("schema") not in _READS:
+            raise AutospError(f"plan file {path} has schema '{data.get('schema')}', this autosp reads "
+                              f"{' and '.join(_READS)}; re-plan with `autosp plan`")
         try:
-            return cls(**data)
-        except TypeError as e:
+            return cls(**(_from_v2(data) if data["schema"] != SCHEMA else data))
+        except (TypeError, KeyError, AutospError) as e:
             raise AutospError(f"plan file {path} is malformed ({e}); re-plan with `autosp plan`") from None
 
     # ------------------------------------------------------------------ applying
@@ -92,27 +144,15 @@ class Plan:
             raise AutospError(f"this plan is for sequence length {self.seq_len}, the batch has {seq_len}; "
                               f"re-plan with --seq-len {seq_len}")
 
+    def per_layer(self) -> list[LayerChoice]:
+        """One choice per transformer layer, in execution order (classes in model order)."""
+        return [layer.choice for layer in self.layers for _ in range(layer.count)]
+
     def strategy_per_layer(self) -> list[str]:
-        """One strategy per attention layer, in execution order (classes in model order)."""
-        out: list[str] = []
-        for layer in self.layers:
-            out += [layer["strategy"]] * layer["count"]
-        return out
+        return [c.strategy for c in self.per_layer()]
 
-    def strategy(self) -> str | list[str]:
-        """What ``autosp.compile(strategy=...)`` applies: one strategy when every layer class has
-        the same (it holds however graph breaks split the layers into compiled graphs), else one
-        per attention layer."""
-        per_layer = self.strategy_per_layer()
-        return per_layer[0] if len(set(per_layer)) == 1 else per_layer
-
-    def checkpoint(self) -> str | list[str]:
-        """Activation checkpointing to apply: one mode for every layer, or one per layer."""
-        per_layer = [layer["checkpoint"] for layer in self.layers for _ in range(layer["count"])]
-        return per_layer[0] if len(set(per_layer)) == 1 else per_layer
-
-    def mlp_chunks(self) -> int | list[int]:
-        """Token chunks of each layer's MLP (1: untiled): one count for every layer, or one per layer
-        (plans written before the decision existed: 1)."""
-        per_layer = [layer.get("mlp_chunks", 1) for layer in self.layers for _ in range(layer["count"])]
-        return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+    def decisions(self) -> Decisions:
+        """What the runtime applies: the layers' choices (one for all when every layer has the same:
+        that holds however graph breaks split the layers into compiled graphs) and the mesh's."""
+        choices = self.per_layer()
+        return Decisions(tuple(choices[:1]) if len(set(choices)) == 1 else tuple(choices), self.mesh)

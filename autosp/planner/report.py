@@ -70,19 +70,18 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     pr = plan.predicted
     head = Table(title=f"{plan.model}: {plan.seq_len} tokens on {plan.world_size} devices "
                        f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {plan.zero_stage}"
-                       f"{f' sharded per {plan.zero_shard} ranks, HSDP' if getattr(plan, 'zero_shard', 0) else ''})")
+                       f"{f' sharded per {plan.zero_shard} ranks, HSDP' if plan.zero_shard else ''})")
     head.add_column("decision")
     head.add_column("value", justify="right")
     head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")
     head.add_row("token layout", plan.layout)
     for layer in plan.layers:
-        overlap = layer.get("overlap", "none")
-        head.add_row(f"{layer['class']} x{layer['count']}",
-                     f"{layer['strategy']} (Ulysses {layer['ulysses_degree']} x ring {layer['ring_degree']}), "
-                     f"checkpoint {layer['checkpoint']}, "
-                     + (f"MLP in {layer['mlp_chunks']} token chunks, " if layer.get("mlp_chunks", 1) > 1 else "")
-                     + f"overlap {overlap}"
-                     + (f", exposed comm {layer['exposed_comm_s']:.3f} s" if "exposed_comm_s" in layer else ""))
+        c = layer.choice
+        head.add_row(f"{layer.module_type} x{layer.count}",
+                     f"{c.strategy} (Ulysses {layer.ulysses_degree} x ring {layer.ring_degree}), "
+                     f"checkpoint {c.checkpoint}, "
+                     + (f"MLP in {c.mlp_chunks} token chunks, " if c.mlp_chunks > 1 else "")
+                     + f"overlap {layer.overlap}, exposed comm {layer.exposed_comm_s:.3f} s")
     head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")
     saves = pr.get("saved_by", {})
     if saves:

@@ -14,16 +14,18 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from dataclasses import asdict, replace
 from typing import Any, Callable
 
-from autosp.costmodel.memory import (CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, layer_saved, mlp_saved, model_states,
-                                     first_layer_own, own_bytes, peak_terms, strategy_saved)
+from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
+                                     strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
+from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, solve, solve_k_best
-from autosp.planner.plan import Plan, model_fingerprint
+from autosp.planner.plan import LayerPlan, Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
 from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
 
@@ -97,7 +99,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
             base_time, base_exposed = outside[first.strategy]
-            cand = Candidate(key=(sp, layout, kl), base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0),
+            cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard), base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0),
                              base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
             for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
@@ -113,7 +115,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                             again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
                             ours = strategy_saved(p.attention_saved[fp], k)
                             mine = own[(fp, k, chunks)]
-                            opts.append(Option(key=(st, k, chunks),
+                            opts.append(Option(key=LayerChoice(st, k, chunks),
                                                time_s=share * (layer_time[st] + recompute[k] + again + d_time),
                                                mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"]),
                                                exposed_s=share * (p.attention_exposed_s + d_exposed),
@@ -124,7 +126,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                                    lc.count, kept[(k, chunks)][fp] + ours["kept"])))
                 cand.options[fp] = opts
             cands.append(cand)
-            preds[cand.key[:2]] = ps
+            preds[(sp, layout)] = ps
     return cands, preds
 
 
@@ -161,11 +163,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     if limit == float("inf"):
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     budget = _budget(limit, memory_margin)
-    if zero_stage == 3:      # what autosp.compile applies with ZeRO 3 (not yet full checkpointing)
-        checkpoints = tuple(k for k in checkpoints if k != "full")
-        if not checkpoints:
-            raise AutospError("ZeRO 3 with full checkpointing is not applied yet (autosp.compile refuses it); "
-                              "allow 'none' or 'selective' checkpointing, or plan zero_stage=2")
+    checkpoints = _applicable(checkpoints, zero_stage)
     if zero_shard is None:
         zero_shard = 0
         shards = [0, dpn] if zero_stage == 3 and world_size > dpn and world_size % dpn == 0 else [0]
@@ -203,14 +201,15 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
 
 
 def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, seq_len: int) -> dict[str, Any]:
-    sp, layout, loss_chunks = sol.mesh
+    mesh: MeshChoice = sol.mesh
     opts = {fp: {o.key: o for o in os} for fp, os in cand.options.items()}
     exposed = cand.base_exposed_s + sum(opts[fp][key].exposed_s for fp, key in sol.choice.items())
     peak = prof.peak_flops(g.dtype)
-    flops = g.total_flops(seq_len) / sp
-    return {"sp": sp, "layout": layout, "loss_chunks": loss_chunks,
-            "layers": {fp: {"class": g.layer_classes[fp].module_type, "strategy": st, "checkpoint": k,
-                            "mlp_chunks": c} for fp, (st, k, c) in sol.choice.items()},
+    flops = g.total_flops(seq_len) / mesh.sp_degree
+    # a report (JSON): the decisions as plain fields
+    return {"sp": mesh.sp_degree, "layout": mesh.layout, "loss_chunks": mesh.loss_chunks,
+            "layers": {fp: {"class": g.layer_classes[fp].module_type, **asdict(choice)}
+                       for fp, choice in sol.choice.items()},
             "total_s": sol.time_s, "peak_bytes": sol.mem_bytes, "exposed_comm_s": exposed,
             "compute_s": sol.time_s - exposed, "mfu": flops / (sol.time_s * peak) if peak else 0.0}
 
@@ -218,18 +217,17 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
 def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Solution], cands: dict, world: int,
              dpn: int, limit: float, margin: float, zero_stage: int, zero_shard: int, seq_len: int,
              solver: dict) -> Plan:
-    sp, layout, loss_chunks = sol.mesh
+    sp = sol.mesh.sp_degree
     main = _summary(g, prof, sol, cands[sol.mesh], seq_len)
-    mesh = SPMesh(sp, layout, dpn)
+    mesh = SPMesh(sp, sol.mesh.layout, dpn)
     layers = []
     for fp, lc in g.layer_classes.items():
-        st, k, chunks = sol.choice[fp]
-        strat = resolve(st)
+        choice: LayerChoice = sol.choice[fp]
+        strat = resolve(choice.strategy)
         u, r = strat.grid(mesh)
-        chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == (st, k, chunks))
-        layers.append({"class": lc.module_type, "fingerprint": fp, "count": lc.count, "strategy": st,
-                       "checkpoint": k, "mlp_chunks": chunks, "ulysses_degree": u, "ring_degree": r, "overlap": strat.overlap,
-                       "exposed_comm_s": chosen.sp_exposed_s})
+        chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == choice)
+        layers.append(LayerPlan(lc.module_type, fp, lc.count, choice, ulysses_degree=u, ring_degree=r,
+                                overlap=strat.overlap, exposed_comm_s=chosen.sp_exposed_s))
     states = model_states(g, world, zero_stage, zero_shard)
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     saved_by = _what_each_saves(cands, sol)
@@ -238,10 +236,10 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                  "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"],
                  "saved_by": saved_by}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
-                dtype=g.dtype, world_size=world, devices_per_node=dpn, sp_degree=sp, dp_degree=world // sp,
-                layout=layout, layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
-                memory_margin=margin, zero_stage=zero_stage, alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts],
-                solver=solver, loss_chunks=loss_chunks, zero_shard=zero_shard)
+                dtype=g.dtype, world_size=world, devices_per_node=dpn, dp_degree=world // sp, mesh=sol.mesh,
+                layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
+                memory_margin=margin, zero_stage=zero_stage,
+                alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts], solver=solver)
 
 
 def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
@@ -250,27 +248,38 @@ def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
     cand = cands[sol.mesh]
     out: dict[str, float] = {}
 
-    def undone(field: int, value: Any) -> float | None:
-        choice = {c: tuple(value if i == field else x for i, x in enumerate(k)) for c, k in sol.choice.items()}
+    def undone(**change: Any) -> float | None:
+        choice = {c: replace(k, **change) for c, k in sol.choice.items()}
         keys = {c: {o.key for o in cand.options[c]} for c in choice}
         if any(choice[c] not in keys[c] for c in choice):
             return None
         return peak_bytes(cand, choice) - sol.mem_bytes
 
-    if any(k[1] != "none" for k in sol.choice.values()):
-        out["checkpointing"] = undone(1, "none")
-    if any(k[2] > 1 for k in sol.choice.values()):
-        out["MLP chunks"] = undone(2, 1)
-    sp, layout, loss_chunks = sol.mesh
-    if loss_chunks > 1 and (sp, layout, 1) in cands:
-        whole = cands[(sp, layout, 1)]
-        out["loss chunks"] = peak_bytes(whole, sol.choice) - sol.mem_bytes
+    if any(k.checkpoint != "none" for k in sol.choice.values()):
+        out["checkpointing"] = undone(checkpoint="none")
+    if any(k.mlp_chunks > 1 for k in sol.choice.values()):
+        out["MLP chunks"] = undone(mlp_chunks=1)
+    whole = replace(sol.mesh, loss_chunks=1)
+    if sol.mesh.loss_chunks > 1 and whole in cands:
+        out["loss chunks"] = peak_bytes(cands[whole], sol.choice) - sol.mem_bytes
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _applicable(checkpoints: tuple[str, ...], zero_stage: int) -> tuple[str, ...]:
+    """The checkpointing modes the runtime applies with this ZeRO stage (ZeRO 3: not yet full)."""
+    if zero_stage != 3:
+        return checkpoints
+    kept = tuple(k for k in checkpoints if k != "full")
+    if not kept:
+        raise AutospError("ZeRO 3 with full checkpointing is not applied yet (autosp.compile refuses it); "
+                          "allow 'none' or 'selective' checkpointing, or plan zero_stage=2")
+    return kept
 
 
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
           limit: float) -> bool:
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len)
+    """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
+    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, checkpoints=_applicable(CHECKPOINTS, zero_stage))
     return bool(cands) and solve(cands, limit) is not None
 
 

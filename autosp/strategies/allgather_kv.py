@@ -18,12 +18,12 @@ from torch import Tensor
 
 from autosp.errors import AutospError
 from autosp.strategies.allgather_kv_kernel import allgather_kv_attention as overlapped_attention
-from autosp.strategies.base import (AttentionCost, AttentionShape, SPMesh, Strategy, Transfer,
-                                    blockwise_kernel_calls, register)
+from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, Transfer, register
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
 from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
+from autosp.strategies.ring_costs import blockwise_kernel_calls
 
 
 def allgather_kv_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autosp.errors import AutospError
-from autosp.strategies.base import (AttentionCost, AttentionShape, SPMesh, Strategy, blockwise_kernel_calls,
-                                    register, ring_transfers, ring_workspace)
+from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, register
+from autosp.strategies.ring_costs import blockwise_kernel_calls, ring_transfers, ring_workspace
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import rank_chunks
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale

@@ -98,7 +98,7 @@ def measured_sp(seq_lens: list[int], strategies: list[str], repeats: int = 1) ->
     for s in seq_lens:
         for st in strategies:
             torch._dynamo.reset()
-            m = measure_step(autosp.compile(tiny_model(), strategy=st), s, repeats, dist.barrier)
+            m = measure_step(autosp.compile(tiny_model(), plan=st), s, repeats, dist.barrier)
             rows.append(dict(sp=dist.get_world_size(), seq_len=s, strategy=st, **m))
     return rows
 
@@ -165,8 +165,7 @@ def measured_held_out(models: list[str], seq_lens: list[int], strategies: list[s
                     continue                # e.g. heads the SP degree does not divide
                 torch._dynamo.reset()
                 t0 = time.perf_counter()
-                sp = autosp.compile(held_out_model(name), strategy=st, compiler=compiler, checkpoint="none",
-                                    mlp_chunks=1, loss_chunks=1)
+                sp = autosp.compile(held_out_model(name), plan=st, runtime=autosp.Runtime(compiler=compiler))
                 m = measure_step(sp, s, repeats, dist.barrier, vocab)
                 ran = sorted({r["strategy"] for r in sp.report().as_dict()["attention"]}) if world > 1 else ["single"]
                 rows.append(dict(model=name, sp=world, seq_len=s, strategy=st if world > 1 else "single",

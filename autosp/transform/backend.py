@@ -18,13 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autosp.decisions import Decisions
 from autosp.errors import AutospError
+from autosp.options import COMPILERS
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
 from autosp.transform.tiled_mlp import tile_mlps
-from autosp.transform.zero3 import bucket_gathers, tag_gathers_for_recompute
-from autosp.transform.zero3_overlap import prefetch_gathers
+from autosp.transform.zero.gather import bucket_gathers, tag_gathers_for_recompute
+from autosp.transform.zero.prefetch import prefetch_gathers
 
 
 @dataclass
@@ -80,18 +82,38 @@ class SPConfig:
     """How one compiled model is parallelised (the groups exist on every rank)."""
 
     group: dist.ProcessGroup
-    strategy: str | list[str] = "auto"
-    layout: str = "contiguous"
+    # the plan's decisions as the planner (or the caller) made them: per layer the strategy
+    # (sharding.py), checkpointing (checkpointing.py) and MLP chunks (tiled_mlp.py); per mesh the
+    # token layout and the LM head's chunks (tiled_loss.py)
+    decisions: Decisions = field(default_factory=Decisions)
     gather_outputs: bool | None = None
     runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
     reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
     compiler: str = "inductor"          # what runs each sharded graph: see compile_graph
-    checkpoint: str | list[str] = "none"    # per layer, or one for all (see transform/checkpointing.py)
     layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
-    loss_chunks: int = 1                # >1: LM head + loss over this many token chunks (tiled_loss.py)
-    mlp_chunks: int | list[int] = 1     # >1: a layer's MLP over this many token chunks (tiled_mlp.py)
     loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
-    prefetch_params: bool = True        # ZeRO 3: gather the next unit while this one computes (zero3_overlap.py)
+    prefetch_params: bool = True        # ZeRO 3: gather the next unit while this one computes (zero/prefetch.py)
+
+    # read from the decisions, never copied out of them
+    @property
+    def strategy(self) -> str | list[str]:
+        return self.decisions.strategy
+
+    @property
+    def checkpoint(self) -> str | list[str]:
+        return self.decisions.checkpoint
+
+    @property
+    def mlp_chunks(self) -> int | list[int]:
+        return self.decisions.mlp_chunks
+
+    @property
+    def layout(self) -> str:
+        return self.decisions.mesh.layout or "contiguous"
+
+    @property
+    def loss_chunks(self) -> int:
+        return self.decisions.mesh.loss_chunks
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -121,7 +143,6 @@ def _say_once(state: BackendState, report: ShardReport) -> None:
                       "for exact results", stacklevel=2)
 
 
-COMPILERS = ("inductor", "aot_eager", "eager")
 COMPILER_ENV = "AUTOSP_COMPILER"
 
 

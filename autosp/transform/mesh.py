@@ -5,7 +5,7 @@ holds the same batch and a slice of its tokens); data parallelism runs across ro
 (each row its own batch). Where autosp reduces gradients itself (``zero_stage``), the
 loss and the token statistics are made global over the *whole* mesh, so a step equals
 one process on the concatenated global batch, and parameter gradients are summed over
-the whole mesh once, in buckets (:mod:`autosp.transform.grad_reducer`): the SP sum and
+the whole mesh once, in buckets (:mod:`autosp.transform.zero.grad_reducer`): the SP sum and
 the DP sum are one reduction.
 """
 

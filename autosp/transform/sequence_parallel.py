@@ -27,8 +27,8 @@ from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
-from autosp.transform.deepspeed_zero3 import is_leaf_gradient_hook, run_after_backward
-from autosp.transform.grad_reducer import GradReducer
+from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
+from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
 from autosp.transform.report import AttentionRow, SPReport
 
@@ -63,7 +63,9 @@ def layer_paths(model: nn.Module) -> list[str]:
 class SequenceParallel(nn.Module):
     """The module ``autosp.compile`` returns; ``.module`` is the original model."""
 
-    def __init__(self, module: nn.Module, config: SPConfig):
+    def __init__(self, module: nn.Module, config: SPConfig, *, mesh: Mesh, zero_stage: int | None = None,
+                 reducer: GradReducer | None = None, param_groups: list[str] | None = None, plan: Any = None,
+                 provider: Callable | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -83,13 +85,13 @@ class SequenceParallel(nn.Module):
         if self._is_hf:
             install_output_hooks(module)
         self._checked = False
-        self.plan = None             # the Plan applied, if any
-        self.plan_provider = None    # plans at the first call (autosp.compile(plan="auto"))
+        self.plan = plan                 # the Plan applied, if any
+        self.plan_provider = provider    # plans at the first call (autosp.compile(plan="auto"))
         self._warned_lengths: set[int] = set()
-        self.mesh: Mesh | None = None    # set by autosp.compile
-        self.zero_stage: int | None = None
-        self.reducer: GradReducer | None = None
-        self.param_groups: list[str] = []    # ZeRO 3: the groups its gathers and reductions run on (zero3.py)
+        self.mesh = mesh
+        self.zero_stage = zero_stage
+        self.reducer = reducer           # ZeRO 0/1: autosp's bucketed gradient reduction
+        self.param_groups = param_groups or []    # ZeRO 2/3: the groups its gathers and reductions run on (zero/gather.py)
         # DeepSpeed ZeRO 3 reads this flag: it gathers every parameter at this module's entry and
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
@@ -98,7 +100,7 @@ class SequenceParallel(nn.Module):
     def register_full_backward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
         """DeepSpeed ZeRO 3 reduces this leaf module's gradients in a full backward hook, which torch
         would call before any gradient exists (token ids need none); autosp runs it after the
-        backward instead (``deepspeed_zero3``). Other hooks register as usual."""
+        backward instead (``zero/deepspeed.py``). Other hooks register as usual."""
         if not is_leaf_gradient_hook(hook):
             return super().register_full_backward_hook(hook, prepend=prepend)
         handle = RemovableHandle(self._after_backward)
@@ -111,7 +113,8 @@ class SequenceParallel(nn.Module):
         if self.zero_stage in (2, 3):
             return _fsdp_no_sync(self.module)
         if self.reducer is None:
-            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero_stage=0-3")
+            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero=autosp.Zero(stage=0..3) "
+                               "(or zero=0..3)")
         return self.reducer.no_sync()
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
@@ -254,15 +257,10 @@ class SequenceParallel(nn.Module):
         if plan is None:                 # planning failed (already reported): keep the default choice
             self.plan_provider = None
             return
-        chosen = plan.strategy()
-        strategies = [chosen] if isinstance(chosen, str) else chosen
-        self.config.strategy, self.config.layout = chosen, layout_for(strategies, plan.layout)
-        if tuple(getattr(self.plan_provider, "checkpoints", ("none",))) != ("none",):
-            self.config.checkpoint = plan.checkpoint()      # the planner chose it (else: the caller's)
-        if tuple(getattr(self.plan_provider, "mlp_chunks", (1,))) != (1,):
-            self.config.mlp_chunks = plan.mlp_chunks()
-        if tuple(getattr(self.plan_provider, "loss_chunks", (1,))) != (1,):
-            self.config.loss_chunks = plan.loss_chunks
+        # applied as the planner made them (what the caller fixed, it was told: autosp.options.Auto)
+        self.config.decisions = plan.decisions()
+        strategies = [c.strategy for c in self.config.decisions.layers]
+        layout_for(strategies, plan.layout)
         self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
         set_up(self.config, strategies)
         self.plan = plan

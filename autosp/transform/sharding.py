@@ -123,8 +123,8 @@ class ShardReport:
     shared_replicated: int = 0        # replicated values whose full gradient each rank keeps 1/P of (replicated.py)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
-    param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero3.py)
-    param_prefetched: int = 0         # of which started while the unit before computes (zero3_overlap.py)
+    param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero/gather.py)
+    param_prefetched: int = 0         # of which started while the unit before computes (zero/prefetch.py)
     mlp_chunks: dict[int, int] = field(default_factory=dict)   # layer index -> chunks its MLP ran in
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op

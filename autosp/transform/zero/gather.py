@@ -19,7 +19,7 @@ graph, where the planner's other decisions (checkpointing, overlap) see them:
 * The gather's backward reduce-scatters the gradient and *sums* it over the mesh: inside
   autosp's graphs each rank's gradient is a partial sum (its tokens, its batch, a loss
   normalised by the global token count), so the SP sum and the DP sum are that one
-  reduce-scatter, as with FSDP2 (:mod:`autosp.transform.zero`).
+  reduce-scatter, as with FSDP2 (:mod:`autosp.transform.zero.shard`).
 * Through AOTAutograd (``aot_eager``, ``inductor``) the gathers are tagged for recompute
   (:func:`tag_gathers_for_recompute`): the backward gathers each unit again where it needs
   it, so at any time a rank holds its shards plus about one unit whole, forward and

@@ -1,7 +1,7 @@
 """ZeRO 3's collectives moved beside compute: the next unit's parameters gather while this unit
 computes, and a unit's gradients reduce-scatter while the units before it back-propagate.
 
-:func:`prefetch_gathers` splits each unit's gather (:func:`autosp.transform.zero3.gather_shards`)
+:func:`prefetch_gathers` splits each unit's gather (:func:`autosp.transform.zero.gather.gather_shards`)
 into a start and a finish and moves the start of unit k+1 to just after the finish of unit k:
 
     forward:   start(0) finish(0) start(1) [unit 0] finish(1) start(2) [unit 1] finish(2) ...
@@ -18,7 +18,7 @@ unit k-1's forward, so unit k-1's backward runs between the two. The gradient of
 buffer *is* the flat buffer being reduced, which is how the finish's backward hands it on.
 
 Through AOTAutograd the gathers are recomputed for the backward where it needs them (tagged
-in :func:`autosp.transform.zero3.tag_gathers_for_recompute`): those re-gathers block.
+in :func:`autosp.transform.zero.gather.tag_gathers_for_recompute`): those re-gathers block.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from autosp.strategies.collectives import resolve_group, tally, wait_all
-from autosp.transform.zero3 import (GATHER_KIND, REDUCE_KIND, _row_numel, _rows_per_rank, _unpack, flat_grads,
+from autosp.transform.zero.gather import (GATHER_KIND, REDUCE_KIND, _row_numel, _rows_per_rank, _unpack, flat_grads,
                                     flat_shards, gather_nodes, split_row, sum_over_replicas)
 
 # Buffers in flight by data pointer: (the work to wait for, what it sends or where it lands).

@@ -1,12 +1,12 @@
 """ZeRO stage 2 through FSDP2 (``fully_shard``) over the whole dp x sp mesh; stage 3 inside
-the compiled graph (:mod:`autosp.transform.zero3`).
+the compiled graph (:mod:`autosp.transform.zero.gather`).
 
 * stage 2: parameters are gathered when the step's forward begins and stay gathered through
   the backward (``reshard_after_forward=False``); gradients are reduce-scattered and the
   optimizer states live on each rank's shard: between steps a rank holds 1/N of parameters,
   gradients and optimizer states.
 * stage 3: parameters are gathered per transformer block inside the graph, where they are
-  read, and gathered again for the backward (:mod:`autosp.transform.zero3`).
+  read, and gathered again for the backward (:mod:`autosp.transform.zero.gather`).
 
 One FSDP unit, the root, for stage 2: it holds every parameter gathered through the step
 anyway, and FSDP's hooks are hidden from torch.compile (``torch._dynamo.disable``), so a unit
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from autosp.errors import AutospError
 from autosp.transform.mesh import Mesh, flat_device_mesh
-from autosp.transform.zero3 import shard_in_graph
+from autosp.transform.zero.gather import shard_in_graph
 
 
 def shard_parameters(model: nn.Module, mesh: Mesh, stage: int, shard_ranks: int = 0) -> list[str]:

@@ -1,0 +1,111 @@
+"""The decisions a plan makes, as frozen typed values: the contract from planner to runtime.
+
+    LayerChoice   per class of identical layers: attention strategy, activation checkpointing,
+                  token chunks of the MLP
+    MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
+                  ZeRO 3's sharding group
+    Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
+                  all) and the MeshChoice
+
+The same objects are the ILP's keys (:mod:`autosp.planner.ilp`: an option of a layer class *is*
+a ``LayerChoice``, a mesh candidate *is* a ``MeshChoice``), the fields of a
+:class:`autosp.planner.plan.Plan`, and what :mod:`autosp.transform` consumes: no field is copied
+by hand between them, and the spaces the planner searches (``CHECKPOINTS``, ``MLP_CHUNKS``,
+``LOSS_CHUNKS``) are defined here once. A strategy is named by its spec (``"ulysses"``,
+``"hybrid:2x4"``, ``"auto"``: the default choice per attention op); the registry in
+:mod:`autosp.strategies` checks it, this module only carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+from autosp.errors import AutospError
+
+CHECKPOINTS = ("none", "selective", "full")    # activation checkpointing per layer
+MLP_CHUNKS = (1, 8)          # token chunks of a layer's MLP the planner chooses between (1: untiled)
+LOSS_CHUNKS = (1, 8)         # ... and of the LM head and loss
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+
+def _positive(name: str, k: Any) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise AutospError(f"{name} must be a positive integer (1 = untiled), got {k!r}")
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What one class of identical layers does (an ILP option, a plan's per-class decision)."""
+
+    strategy: str = "auto"
+    checkpoint: str = "none"
+    mlp_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINTS:
+            raise AutospError(f"unknown checkpointing '{self.checkpoint}'; use one of {', '.join(CHECKPOINTS)}")
+        _positive("mlp_chunks", self.mlp_chunks)
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """What the whole mesh does (an ILP mesh candidate, a plan's per-mesh decision)."""
+
+    sp_degree: int = 1
+    layout: str | None = None    # None: what the layers' strategies need (zigzag for zigzag ring, else contiguous)
+    loss_chunks: int = 1
+    zero_shard: int = 0          # ZeRO 3: 0 shards parameters over every rank; k over each k (a node: HSDP)
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise AutospError(f"unknown token layout '{self.layout}'; use one of {', '.join(LAYOUTS)}")
+        _positive("loss_chunks", self.loss_chunks)
+        _positive("sp_degree", self.sp_degree)
+
+
+def _collapse(values: list[Any]) -> Any:
+    """One value when every layer has the same, else the list (one per layer)."""
+    return values[0] if len(set(values)) == 1 else values
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What the runtime applies. ``layers`` holds one choice per transformer layer in execution
+    order, or a single choice for every layer (however graph breaks split them into graphs)."""
+
+    layers: tuple[LayerChoice, ...] = (LayerChoice(),)
+    mesh: MeshChoice = MeshChoice()
+
+    @classmethod
+    def of(cls, strategy: str | Sequence[str] = "auto", checkpoint: str | Sequence[str] = "none",
+           mlp_chunks: int | Sequence[int] = 1, mesh: MeshChoice = MeshChoice()) -> "Decisions":
+        """From per-field values, each one for all layers or a list with one per layer."""
+        cols = {"strategy": strategy, "checkpoint": checkpoint, "mlp_chunks": mlp_chunks}
+        lists = {k: [v] if isinstance(v, (str, int)) else list(v) for k, v in cols.items()}
+        lengths = {len(v) for v in lists.values()} - {1}
+        if len(lengths) > 1 or any(len(v) == 0 for v in lists.values()):
+            given = ", ".join(f"{k}: {len(v)}" for k, v in lists.items() if len(v) != 1)
+            raise AutospError(f"per-layer lists must have one entry per transformer layer, and the same length; "
+                              f"got {given or 'an empty list'}")
+        n = max(len(v) for v in lists.values())
+        layers = tuple(LayerChoice(**{k: v[i if len(v) > 1 else 0] for k, v in lists.items()}) for i in range(n))
+        return cls(layers, mesh)
+
+    def per_layer(self, field: str) -> Any:
+        """One field of the layers' choices: one value for all, or one per layer."""
+        if field not in {f.name for f in fields(LayerChoice)}:
+            raise AutospError(f"a layer choice has no field '{field}'")
+        return _collapse([getattr(c, field) for c in self.layers])
+
+    @property
+    def strategy(self) -> str | list[str]:
+        return self.per_layer("strategy")
+
+    @property
+    def checkpoint(self) -> str | list[str]:
+        return self.per_layer("checkpoint")
+
+    @property
+    def mlp_chunks(self) -> int | list[int]:
+        return self.per_layer("mlp_chunks")
