@@ -11,10 +11,11 @@ Public API:
     autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
     autosp.token_local(cls)         declare a module whose output per token depends on that token alone
     autosp.checkpoint.save / load   resumable checkpoints (torch.distributed.checkpoint)
-    torch.compile(model, backend="autosp", dynamic=True)
+    autosp.data.pack / collate      pack documents into rows of a window, with restarting positions
+    torch.compile(model, backend="autosp", dynamic=True)   (a torch_dynamo_backends entry point)
 """
 
-from autosp import checkpoint
+from autosp import checkpoint, data
 from autosp.costmodel.profile import load_profile
 from autosp.decisions import Decisions, LayerChoice, MeshChoice
 from autosp.errors import AutospError
@@ -24,11 +25,8 @@ from autosp.options import Auto, Runtime, Zero
 from autosp.planner.plan import Plan
 from autosp.planner.search import plan
 from autosp.transform.api import SequenceParallel
-from autosp.transform.backend import register as _register_backend
 from autosp.transform.token_local import token_local
 
-_register_backend()
-
 __all__ = ["compile", "Auto", "Zero", "Runtime", "Decisions", "LayerChoice", "MeshChoice", "plan", "Plan",
-           "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError", "token_local", "checkpoint"]
+           "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError", "token_local", "checkpoint", "data"]
 __version__ = "0.1.0"

@@ -125,6 +125,10 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
         return transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
             hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads, multi_query=True,
             new_decoder_architecture=False, alibi=True, **common))
+    if kind == "gptj":            # rotary tables built by repeat_interleave over the feature dim
+        return transformers.AutoModelForCausalLM.from_config(transformers.GPTJConfig(
+            n_embd=16 * heads, n_layer=2, n_head=heads, rotary_dim=8, n_positions=256, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=None, eos_token_id=None, **common))
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)

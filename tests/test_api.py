@@ -120,3 +120,15 @@ def test_decisions_collapse_per_layer_only_where_layers_differ():
     mixed = autosp.Decisions.of(strategy=["ulysses", "ring"], mlp_chunks=[1, 8])
     assert mixed.strategy == ["ulysses", "ring"] and mixed.mlp_chunks == [1, 8] and mixed.checkpoint == "none"
     assert mixed.layers[1] == autosp.LayerChoice("ring", "none", 8)
+
+
+def test_the_backend_is_found_by_its_entry_point_without_importing_autosp_first():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom torch._dynamo.backends.registry import lookup_backend\n"
+            "assert 'autosp' not in sys.modules\nfn = lookup_backend('autosp')\n"
+            "print(fn.__module__, fn.__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["autosp.transform.backend", "autosp_backend"]

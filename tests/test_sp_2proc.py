@@ -85,6 +85,16 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
         check_ran(res[0], "ulysses", world=2)
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "zigzag_ring"])
+def test_gptj_whose_rotary_tables_repeat_features_not_tokens_is_exact(pool, strategy):
+    # GPT-J builds its sin/cos tables with repeat_interleave over the feature dim (each frequency
+    # twice): every token's features stay together, so the tables slice by token like any tensor
+    # (they were refused as token-repeated).
+    res = run_ok(pool, "train_compare", kind="gptj", strategy=strategy, heads=4)
+    check_exact(res, [strategy] * 2)
+    check_ran(res[0], strategy, world=2)
+
+
 @pytest.mark.parametrize("strategy", ["ulysses", "ring"])
 def test_falcon_multi_query_with_alibi_in_a_dense_mask_is_exact(pool, strategy):
     # The mask is materialized, so SDPA's grouped-query path is off and transformers (5.25 on)

@@ -205,7 +205,7 @@ def partitioned_saved(graph: OpGraph) -> set[str]:
 
     Eager autograd instead saves every needed value as it is: a pointwise chain's inputs and
     intermediates, where the partitioner keeps one tensor and recomputes the rest."""
-    cached = graph.__dict__.get("_partitioned_saved")
+    cached = graph.memo.get("partitioned_saved")
     if cached is not None:
         return cached
     import networkx as nx
@@ -249,7 +249,7 @@ def partitioned_saved(graph: OpGraph) -> set[str]:
     else:
         _, (reach, _) = nx.minimum_cut(flow, "source", "sink")
         out = {n for n in fwd if n + ":in" in reach and n + ":out" not in reach}
-    graph.__dict__["_partitioned_saved"] = out
+    graph.memo["partitioned_saved"] = out
     return out
 
 

@@ -63,13 +63,14 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
         strategies = [c.strategy for c in decisions.layers]
     check_zero_stage(zero_stage)
     if zero_stage is not None and not runtime.reduce_grads:
-        raise AutospError(f"zero_stage={zero_stage} has autosp reduce the gradients over the mesh; reduce_grads=False "
+        raise AutospError(f"zero={zero_stage} has autosp reduce the gradients over the mesh; "
+                          "runtime=autosp.Runtime(reduce_grads=False) "
                           "(the caller reduces them) contradicts it: pass one of the two")
     layout = layout_for(strategies, decisions.mesh.layout)
     compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler(layout))
     if layout == "balanced" and compiler != "eager":
         raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
-                          "first batch; use compiler='eager' with it, or layout='zigzag'")
+                          "first batch; use runtime=autosp.Runtime(compiler='eager') with it, or layout='zigzag'")
     if not dist.is_available() or not dist.is_initialized():
         if mesh is not None:
             raise AutospError(f"mesh={mesh!r} needs torch.distributed initialised: call "
@@ -85,16 +86,16 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
     reduced_by_us = zero_stage is not None
     if zero_stage in (2, 3):
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
-            raise AutospError(f"zero_stage={zero_stage} shards parameters over a device mesh; pass mesh= "
+            raise AutospError(f"zero={zero_stage} shards parameters over a device mesh; pass mesh= "
                               "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of a process group")
         modes = decisions.per_layer("checkpoint")
         if zero_stage == 3 and compiler != "eager" and "full" in ([modes] if isinstance(modes, str) else modes):
-            raise AutospError(f"zero_stage=3 with checkpoint='full' through {compiler} is not supported yet (AOTAutograd "
+            raise AutospError(f"zero=3 with checkpoint='full' through {compiler} is not supported yet (AOTAutograd "
                               "cannot recompute a block's parameter gather inside a fully checkpointed layer); use "
-                              "checkpoint='selective', zero_stage=2, or compiler='eager'")
+                              "checkpoint='selective', zero=2, or runtime=autosp.Runtime(compiler='eager')")
         param_groups = shard_parameters(model, the_mesh, zero_stage, _shard_ranks(zero_shard))
     elif zero_shard != "mesh":
-        raise AutospError(f"zero_shard={zero_shard!r} shards ZeRO 3's parameters by node (HSDP); it needs zero_stage=3")
+        raise AutospError(f"Zero(shard={zero_shard!r}) shards ZeRO 3's parameters by node (HSDP); it needs stage=3")
     config = SPConfig(the_mesh.sp, decisions, runtime.gather_outputs,
                       reduce_grads=runtime.reduce_grads and not reduced_by_us, compiler=compiler,
                       layer_paths=layer_paths(model),

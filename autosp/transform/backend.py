@@ -248,10 +248,3 @@ def autosp_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         raise AutospError("backend 'autosp' needs torch.distributed initialised; call "
                           "torch.distributed.init_process_group() first (torchrun sets the environment)")
     return make_backend(SPConfig(dist.group.WORLD, compiler=check_compiler(default_compiler())))(gm, example_inputs)
-
-
-def register() -> None:
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
-
-    if "autosp" not in _BACKENDS:
-        register_backend(compiler_fn=autosp_backend, name="autosp")

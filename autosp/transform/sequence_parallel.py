@@ -21,11 +21,12 @@ from torch.utils.hooks import RemovableHandle
 
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
-from autosp.graph.hf_compat import install_output_hooks, is_hf_model, sdpa_unsupported, unpacked_positions
+from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
 from autosp.strategies import AUTO, SPMesh, required_layout, resolve
 from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
+from autosp.transform.first_call import check_deepspeed_groups, check_first_call, refuse_partitioned_parameters
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.zero.grad_reducer import GradReducer
@@ -185,8 +186,8 @@ class SequenceParallel(nn.Module):
         lengths over the flattened batch, ``[0, l1, l1+l2, ..., B*S]``, for packed documents: turned
         into position ids that restart at each document (the model then masks across them)."""
         if not self._checked:
-            _refuse_partitioned_parameters(self, self.zero_stage)
-            _check_deepspeed_groups(self.group)
+            refuse_partitioned_parameters(self.module, self, self.zero_stage)
+            check_deepspeed_groups(self.group)
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
@@ -215,7 +216,9 @@ class SequenceParallel(nn.Module):
         with unpacked_positions(self._is_hf and "position_ids" not in named), \
                 torch._dynamo.config.patch(specialize_int=True), _own_errors():
             out = self._compiled(*bound.args, **bound.kwargs)
-        self._check_once(padded_len != seq_len)
+        if not self._checked:
+            self._checked = True
+            check_first_call(self, padded_len != seq_len)
         if torch.is_grad_enabled():
             run_after_backward(self, list(self._after_backward.values()), out)
         if padded_len != seq_len and named.get("attention_mask") is None and \
@@ -265,21 +268,6 @@ class SequenceParallel(nn.Module):
         set_up(self.config, strategies)
         self.plan = plan
 
-    def _refuse_eager_parameters(self) -> None:
-        """With partial-sum gradients, a parameter no compiled graph reads ran eagerly (a graph break
-        left its frame uncompiled) on the full sequence: its gradient is full on every rank, and the
-        caller's sum over the SP group would count it P times. Refused when its gradient arrives
-        (a parameter that is simply unused gets none)."""
-        how, fix = (f"zero_stage={self.zero_stage}", "use zero_stage=None (gradients summed inside the graphs)") \
-            if self.zero_stage is not None else ("reduce_grads=False", "use reduce_grads=True")
-        for name, p in self.module.named_parameters():
-            if p.requires_grad and id(p) not in self.state.graph_params:
-                def refuse(grad: torch.Tensor, name: str = name) -> torch.Tensor:
-                    raise AutospError(f"parameter {name} ran outside autosp's compiled graphs (a graph break left "
-                                      f"its code eager), so with {how} its gradient is not a partial sum; "
-                                      f"{fix} or remove the graph break")
-                p.register_hook(refuse)
-
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):
             if isinstance(named.get(key), torch.Tensor):
@@ -288,87 +276,6 @@ class SequenceParallel(nn.Module):
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
                 return value.shape[1]
         raise AutospError("no [batch, sequence, ...] tensor among the inputs; pass input_ids of shape [B, S]")
-
-    def _check_once(self, padded: bool) -> None:
-        if self._checked:
-            return
-        self._checked = True
-        if not self.state.reports:
-            raise AutospError(
-                "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
-                f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
-                "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
-        if self.state.attention_ops == 0 and sdpa_unsupported(self.module):
-            raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard: transformers "
-                              "implements no SDPA attention for this family (only eager attention), and autosp "
-                              "shards SDPA calls; SP cannot run on this model yet")
-        if self.state.attention_ops == 0:
-            found = "; ".join(self.state.eager_attention) or "no attention op at all"
-            raise AutospError(f"{type(self.module).__name__} has no scaled_dot_product_attention to shard "
-                              f"(found: {found}); build the model with attn_implementation='sdpa' or call "
-                              "F.scaled_dot_product_attention")
-        if not self.config.reduce_grads and self.sp_degree > 1:
-            self._refuse_eager_parameters()
-        if self.zero_stage is not None and self.mesh.dp_degree > 1 and torch.is_grad_enabled() and \
-                not any(r.global_reductions for r in self.state.reports):
-            raise AutospError(
-                f"with data parallelism ({self.mesh.dp_degree} rows of the mesh) autosp makes the loss global over "
-                "the mesh where the model computes it, but no compiled graph computes a loss over the sharded "
-                "tokens (it follows a graph break, or the model is called without labels); compute the loss in "
-                "the model (pass labels), or use zero_stage=None and reduce over data parallel ranks yourself")
-        planned = self.config.strategy
-        if not isinstance(planned, str) and len(planned) != self.state.attention_ops:
-            raise AutospError(
-                f"{len(planned)} per-layer strategies were given but the compiled graphs hold "
-                f"{self.state.attention_ops} attention ops (a graph break can make one compiled frame serve several "
-                "layers); give one strategy for every layer, or remove the graph break")
-        if padded and self.state.unmasked_noncausal:
-            raise AutospError("padding a non-causal attention without a mask would change results; pass an "
-                              "attention_mask or a sequence length divisible by the SP degree")
-
-
-def _refuse_partitioned_parameters(sp: SequenceParallel, zero_stage: int | None) -> None:
-    """DeepSpeed ZeRO 3 partitions parameters and gathers them on entry to each module it hooks. Given
-    autosp's module, it hooks that one only (``_z3_leaf``) and the compiled graph stays whole; given
-    the model itself it hooks every module, and torch.compile would stop at each, leaving graph pieces
-    without the sequence length. FSDP applied by the caller does the same per unit, and its average
-    (not sum) of the partial gradients and the eager code between its units would give wrong
-    gradients without an error."""
-    from torch.distributed.fsdp import FSDPModule
-
-    module = sp.module
-    if zero_stage not in (2, 3) and any(isinstance(m, FSDPModule) for m in module.modules()):
-        raise AutospError("the model is already wrapped with FSDP (fully_shard); let autosp apply it: "
-                          "autosp.compile(model, mesh=mesh, zero_stage=2 or 3) on the unwrapped model")
-    if any(hasattr(p, "ds_id") and getattr(p, "ds_z3_leaf_module", None) is not sp for p in module.parameters()):
-        raise AutospError("DeepSpeed ZeRO stage 3 hooks every module of the model it was given, which cuts "
-                          "autosp's compiled graph into pieces it cannot shard; give deepspeed.initialize the "
-                          "module autosp.compile returns (model=sp_model), on a model not built under "
-                          "deepspeed.zero.Init")
-
-
-def _check_deepspeed_groups(group: dist.ProcessGroup) -> None:
-    """Under DeepSpeed, autosp splits the sequence and DeepSpeed must see plain data parallelism over
-    every rank (it then sums autosp's partial gradients over all of them). With its own
-    ``sequence_parallel_size`` it reduces over its data-parallel group only: wrong gradients, refused."""
-    import sys
-
-    if "deepspeed" not in sys.modules:
-        return
-    from deepspeed.utils import groups
-
-    try:
-        if groups._get_sequence_parallel_world_size() == 1:
-            return
-        theirs = sorted(dist.get_process_group_ranks(groups._get_sequence_parallel_group()))
-    except (AssertionError, KeyError, AttributeError):      # DeepSpeed without sequence-parallel groups
-        return
-    ours = sorted(dist.get_process_group_ranks(group))
-    same = "the same ranks as autosp's" if theirs == ours else f"ranks {theirs}, autosp's are {ours}"
-    raise AutospError(f"DeepSpeed has its own sequence-parallel group ({same}); leave sequence_parallel_size and "
-                      "data_parallel_size out of the DeepSpeed config: autosp splits the sequence, and DeepSpeed "
-                      "must reduce gradients over every rank")
-
 
 @contextlib.contextmanager
 def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:

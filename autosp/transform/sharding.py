@@ -575,7 +575,7 @@ class Sharder:
         while src.op == "call_method" and src.target in ("view", "reshape", "flatten", "contiguous") \
                 and isinstance(src.args[0], fx.Node):
             src = src.args[0]
-        if _name(src) == "repeat_interleave":      # [B*S*k]: the token index is not the inner one
+        if _name(src) == "repeat_interleave" and self._repeats_tokens(src, a):   # [B*S*k]: tokens not inner
             raise AutospError(f"tensor {a.name} repeats each token ({_where(src)}) and meets this rank's tokens; "
                               "autosp can slice only tensors whose tokens are contiguous along the sequence dim")
         if len(dims) != 1:
@@ -590,6 +590,17 @@ class Sharder:
             self.place[s] = dims
             self.slices[key] = s
         return self.slices[key]
+
+    def _repeats_tokens(self, rep: fx.Node, a: fx.Node) -> bool:
+        """Whether ``repeat_interleave`` repeats tokens: along a sequence dim, over the flattened tensor,
+        or along a dim that the views up to ``a`` fold into a sequence dim. A repeat along a feature dim
+        (GPT-J's rotary tables: each frequency twice) keeps every token's features together."""
+        dim = rep.kwargs.get("dim", rep.args[2] if len(rep.args) > 2 else None)
+        out = _val(rep)
+        if dim is None or not isinstance(dim, int) or (dim % out.dim()) in self.seq_dims(out):
+            return True
+        seq_sizes = [out.shape[d] for d in self.seq_dims(out)]
+        return rep is not a and [_val(a).shape[d] for d in self.seq_dims(_val(a))] != seq_sizes
 
     def _last_placeholder(self) -> fx.Node:
         last = None

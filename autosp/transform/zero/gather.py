@@ -229,7 +229,7 @@ def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
             p = module._parameters[n]
             if p.dim() == 0:
                 raise AutospError(f"parameter {path}.{n} is a scalar; ZeRO 3 shards parameters along dim 0: "
-                                  "make it a 1-element tensor, or use zero_stage=2")
+                                  "make it a 1-element tensor, or use zero=2")
             if id(p) not in sharded:
                 sharded[id(p)] = nn.Parameter(distribute_tensor(p.detach(), device_mesh, placements),
                                               requires_grad=p.requires_grad)

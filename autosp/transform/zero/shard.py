@@ -48,7 +48,7 @@ def shard_parameters(model: nn.Module, mesh: Mesh, stage: int, shard_ranks: int 
             return [flat["shard"].get_group().group_name, flat["replicate"].get_group().group_name]
         return [flat.get_group().group_name]
     if shard_ranks:
-        raise AutospError(f"zero_shard applies to zero_stage=3 (HSDP); stage {stage} shards over the whole mesh")
+        raise AutospError(f"Zero(shard=...) applies to stage 3 (HSDP); stage {stage} shards over the whole mesh")
     fully_shard(model, mesh=flat_device_mesh(mesh), reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
