@@ -42,7 +42,8 @@ class PackedRow:
         return out
 
 
-def pack(documents: Iterable[Sequence[int] | torch.Tensor], window: int, *, split_long: bool = False) -> list[PackedRow]:
+def pack(documents: Iterable[Sequence[int] | torch.Tensor], window: int, *,
+         split_long: bool = False) -> list[PackedRow]:
     """Pack ``documents`` (token id sequences) into rows of at most ``window`` tokens.
 
     Args:

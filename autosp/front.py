@@ -50,8 +50,9 @@ def compile(model: nn.Module, plan: Any = "auto", *, mesh: DeviceMesh | dist.Pro
             and the token layout and loss chunks. ``autosp.Auto(checkpoint=..., mlp_chunks=...,
             loss_chunks=...)``: the same with those fixed. A strategy name (``"ulysses"``,
             ``"ring"``, ``"zigzag_ring"``, ``"allgather_kv"``, ``"hybrid:UxR"``, a registered one):
-            that strategy on every layer, nothing else changed. ``autosp.Decisions.of(strategy=...,
-            checkpoint=..., mlp_chunks=..., layout=..., loss_chunks=...)``: every decision fixed
+            that strategy on every layer, nothing else changed; a list of names: one per attention
+            layer. ``autosp.Decisions.of(strategy=..., checkpoint=..., mlp_chunks=..., layout=...,
+            loss_chunks=...)``: every decision fixed
             (one value for all layers or a list with one per layer). A :class:`autosp.Plan` or
             the path of one (``autosp plan --out``): applied as planned, refused when made for
             another model, world size or sequence length. A callable ``(module, batch_size, seq_len,
@@ -110,8 +111,8 @@ def _wrap(model: nn.Module, plan: Any, mesh: Any, limit: float | None, zero: Zer
         return build(model, Decisions(), mesh=mesh, zero=zero, runtime=runtime, plan=plan)
     if callable(plan) and not isinstance(plan, Decisions):     # a planner of one's own, e.g. AutoPlanner(profile=...)
         return build(model, Decisions(), mesh=mesh, zero=zero, runtime=runtime, provider=plan)
-    if isinstance(plan, str):
-        plan = Decisions.of(strategy=plan)
+    if isinstance(plan, str) or (isinstance(plan, (list, tuple)) and plan and all(isinstance(x, str) for x in plan)):
+        plan = Decisions.of(strategy=plan if isinstance(plan, str) else list(plan))   # one per layer
     if not isinstance(plan, Decisions):
         raise AutospError(f"plan must be 'auto', autosp.Auto(...), a strategy name, autosp.Decisions, a Plan or the "
                           f"path of a plan JSON, not {type(plan).__name__}")

@@ -99,8 +99,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
             base_time, base_exposed = outside[first.strategy]
-            cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard), base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0),
-                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
+            cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard),
+                             base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0), base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
             for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
                 opts = []
@@ -279,7 +279,8 @@ def _applicable(checkpoints: tuple[str, ...], zero_stage: int) -> tuple[str, ...
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
           limit: float) -> bool:
     """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, checkpoints=_applicable(CHECKPOINTS, zero_stage))
+    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len,
+                                checkpoints=_applicable(CHECKPOINTS, zero_stage))
     return bool(cands) and solve(cands, limit) is not None
 
 

@@ -60,7 +60,8 @@ def mesh_for(sp_size: int | None) -> Mesh:
     world = dist.get_world_size()
     sp = world if sp_size is None else sp_size
     if sp <= 0 or world % sp:
-        raise AutospError(f"an SP degree of {sp_size} (mesh={sp_size}) does not divide the world size {world}; pick a divisor of {world}")
+        raise AutospError(f"an SP degree of {sp_size} (mesh={sp_size}) does not divide the world size {world}; "
+                          f"pick a divisor of {world}")
     if sp == world:
         return Mesh(sp=dist.group.WORLD, whole=dist.group.WORLD, sp_degree=world, dp_degree=1)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
