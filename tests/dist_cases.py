@@ -974,3 +974,53 @@ def _zero3_events():
         yield events
     finally:
         collectives.tally, zero3_overlap.tally, zero3_overlap.wait_all = saved
+
+
+def _plan_by_length(module: Any, batch: int, seq_len: int, group: Any, documents: tuple = ()) -> Any:
+    """A planner of one's own: Ulysses up to 128 tokens, zigzag ring beyond (so buckets switch plans)."""
+    import torch.distributed as dist
+
+    from autosp.decisions import LayerChoice, MeshChoice
+    from autosp.planner.plan import LayerPlan, Plan
+
+    world = dist.get_world_size(group)
+    strategy, layout = ("ulysses", "contiguous") if seq_len <= 128 else ("zigzag_ring", "zigzag")
+    return Plan(model="llama", fingerprint="x", seq_len=seq_len, batch_size=batch, dtype="float32", world_size=world,
+                devices_per_node=world, dp_degree=1, mesh=MeshChoice(world, layout),
+                layers=[LayerPlan("LlamaDecoderLayer", "", 2, LayerChoice(strategy))], predicted={},
+                profile="cpu-gloo", memory_limit_bytes=1e12, zero_stage=0)
+
+
+def varying_lengths(lengths: tuple[int, ...] = (64, 100, 200, 64, 300, 96), planner: str = "auto",
+                    kind: str = "llama") -> dict[str, Any]:
+    """One model trained over batches whose length and documents change every step (the last one
+    packed with short documents), against one process at every step: per step the loss and worst
+    gradient error, what ran (strategy per op, padded length, tokens per rank), and how many buckets
+    were planned and decisions compiled. ``planner``: "auto" (the ILP) or "by_length" (switches)."""
+    ref = build(kind)
+    model = copy.deepcopy(ref)
+    sp = autosp.compile(model, plan="auto" if planner == "auto" else _plan_by_length)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_sp = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"steps": []}
+    for step, seq_len in enumerate(lengths):
+        ids, labels = _batch(step, 2, seq_len, uneven=False)
+        extra = {}
+        if step == len(lengths) - 1:                 # short documents only: positions restart every 8 tokens
+            extra["position_ids"] = (torch.arange(seq_len) % 8).expand(2, seq_len).clone()
+        loss_ref = _loss(ref, kind, ids, labels, **extra)
+        loss_ref.backward()
+        loss = _loss(sp, kind, ids, labels, **extra)
+        loss.backward()
+        worst = max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        rep = sp.report().as_dict()
+        out["steps"].append({"seq_len": seq_len, "grad_err": worst,
+                             "loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "strategies": [a["strategy"] for a in rep["attention"]],
+                             "padded_len": rep["padded_len"],
+                             "tokens_per_rank": [a["tokens_per_rank"] for a in rep["attention"]],
+                             "plans": rep["plans"], "variants": rep["compiled_variants"],
+                             "plan_len": sp.plan.seq_len if sp.plan is not None else None})
+        for opt in (opt_ref, opt_sp):
+            opt.step()
+            opt.zero_grad()
+    return out

@@ -132,3 +132,10 @@ def test_the_backend_is_found_by_its_entry_point_without_importing_autosp_first(
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["autosp.transform.backend", "autosp_backend"]
+
+
+def test_lengths_are_planned_at_their_bucket():
+    from autosp.transform.sequence_parallel import length_bucket
+
+    assert [length_bucket(n, 2) for n in (64, 65, 102, 128, 300)] == [64, 128, 128, 128, 512]
+    assert length_bucket(6, 4) == 8 and length_bucket(30, 3) == 36      # a multiple of 2 x SP degree

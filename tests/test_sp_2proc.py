@@ -551,3 +551,34 @@ def test_zero_3_gathers_each_block_inside_the_graph_and_holds_one_at_a_time(pool
         assert fwd == "GgG" + "g" + "G" + "aaaagG" * 3 + "aaaag", fwd
         assert bwd == "GgR" + "GgaaaarR" * 4 + "rRr", bwd
         assert abs(c["peak"] / r["predicted_step_peak"] - 1) < 0.10, (c["peak"], r["predicted_step_peak"])
+
+
+def test_batches_whose_length_changes_every_step_are_planned_per_bucket_and_stay_exact(pool):
+    """Real data changes length every step: each batch is planned at its bucket (its length rounded
+    up to a power of two) the first time a batch falls there, and a bucket whose plan decides
+    differently runs a model compiled for those decisions. Exact against one process at every step:
+    101 tokens do not divide by the SP degree (padded), 300 by no power of two, and the last step
+    packs documents of 8 tokens."""
+    res = run_ok(pool, "varying_lengths", lengths=(64, 101, 200, 64, 300, 96), planner="by_length")
+    for r in res:
+        steps = r["steps"]
+        for s in steps:
+            assert s["loss_err"] <= LOSS_TOL and s["grad_err"] <= GRAD_TOL, s
+        # (the last step's position ids recompile its variant: its report lists both graphs' ops)
+        u, z = {"ulysses"}, {"zigzag_ring"}
+        assert [set(s["strategies"]) for s in steps] == [u, u, z, u, z, u], steps
+        assert [s["plan_len"] for s in steps] == [64, 128, 256, 64, 512, 128]
+        assert [s["padded_len"] for s in steps] == [64, 102, 200, 64, 300, 96]
+        assert all(t * 2 == s["padded_len"] for s in steps for t in s["tokens_per_rank"]), steps
+        assert [s["plans"] for s in steps] == [1, 2, 3, 3, 4, 4]          # planned once per bucket
+        assert [s["variants"] for s in steps] == [1, 1, 2, 2, 2, 2]       # compiled once per decision
+
+
+def test_the_planner_plans_each_length_bucket_of_a_changing_stream(pool):
+    res = run_ok(pool, "varying_lengths", lengths=(64, 200, 100, 64, 250), planner="auto")
+    for r in res:
+        steps = r["steps"]
+        for s in steps:
+            assert s["loss_err"] <= LOSS_TOL and s["grad_err"] <= GRAD_TOL, s
+        assert [s["plan_len"] for s in steps] == [64, 256, 128, 64, 256]
+        assert steps[-1]["plans"] == 3 and 1 <= steps[-1]["variants"] <= 3, steps

@@ -48,6 +48,8 @@ class SPReport:
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     # causal-within-document query-key pairs each rank's tokens carry (the layout's balance)
     work_per_rank: list[float] = field(default_factory=list)
+    plans: int = 0                 # batch-shape buckets planned so far (plan="auto")
+    compiled_variants: int = 1     # distinct decisions compiled so far (one compiled model each)
 
     @property
     def work_balance(self) -> float:

@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import warnings
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -55,6 +56,13 @@ def set_up(config: SPConfig, strategies: list[str]) -> None:
                 config.runtime[strat.spec] = strat.setup(config.group)
 
 
+def length_bucket(padded: int, sp_degree: int) -> int:
+    """The length a batch of ``padded`` tokens is planned at: the next power of two, a multiple of
+    2 x the SP degree (every layout's chunk count divides it)."""
+    step = 2 * sp_degree
+    return -(-(1 << max(padded - 1, 1).bit_length()) // step) * step
+
+
 def layer_paths(model: nn.Module) -> list[str]:
     """Qualified names of the model's transformer layers, in order (where checkpointing cuts)."""
     blocks = {id(b) for b in find_blocks(model)}
@@ -87,12 +95,16 @@ class SequenceParallel(nn.Module):
             install_output_hooks(module)
         self._checked = False
         self.plan = plan                 # the Plan applied, if any
-        self.plan_provider = provider    # plans at the first call (autosp.compile(plan="auto"))
+        self.plan_provider = provider    # plans per batch-shape bucket (autosp.compile(plan="auto"))
+        self._plans: dict[tuple[int, int], Any] = {}       # (batch, length bucket) -> its plan
+        # decisions -> (config, state, compiled model): a bucket whose plan decides as an earlier one
+        # did runs that one's compiled graphs; new decisions compile anew
+        self._variants: dict[Any, tuple[SPConfig, BackendState, Any]] = {}
         self._warned_lengths: set[int] = set()
         self.mesh = mesh
         self.zero_stage = zero_stage
         self.reducer = reducer           # ZeRO 0/1: autosp's bucketed gradient reduction
-        self.param_groups = param_groups or []    # ZeRO 2/3: the groups its gathers and reductions run on (zero/gather.py)
+        self.param_groups = param_groups or []    # ZeRO 2/3: the groups of its gathers and reductions
         # DeepSpeed ZeRO 3 reads this flag: it gathers every parameter at this module's entry and
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
@@ -114,8 +126,8 @@ class SequenceParallel(nn.Module):
         if self.zero_stage in (2, 3):
             return _fsdp_no_sync(self.module)
         if self.reducer is None:
-            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with zero=autosp.Zero(stage=0..3) "
-                               "(or zero=0..3)")
+            raise AutospError("no_sync() belongs to autosp's own gradient reduction; compile with "
+                              "zero=autosp.Zero(stage=0..3) (or zero=0..3)")
         return self.reducer.no_sync()
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
@@ -167,7 +179,8 @@ class SequenceParallel(nn.Module):
                         compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
                         attention=rows, collectives=counts,
                         work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
-                        if "positions" in step else [])
+                        if "positions" in step else [],
+                        plans=len(self._plans), compiled_variants=max(len(self._variants), 1))
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -193,7 +206,7 @@ class SequenceParallel(nn.Module):
         seq_len = self._sequence_length(named)
         if cu_seqlens is not None:
             self._positions_from(cu_seqlens, named, seq_len)
-        if self.plan is None and self.plan_provider is not None:
+        if self.plan_provider is not None:
             self._plan_now(named, seq_len)
         if self.plan is not None and self.plan_provider is None:
             self.plan.check(seq_len=seq_len)
@@ -252,21 +265,45 @@ class SequenceParallel(nn.Module):
             set_balanced(deal_balanced(pos.detach().cpu(), self.sp_degree), self.sp_degree)
 
     def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
-        """Plan for this batch (the SP degree is the group's), then configure before compiling."""
+        """The plan for this batch's shape: its bucket's (batch size, length rounded up to a power of
+        two), planned at the bucket's length the first time a batch falls in it. Lengths change every
+        step on real data; buckets keep re-planning and recompiling rare."""
         batch = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2).shape[0]
         padded = -(-seq_len // self.sp_degree) * self.sp_degree
-        plan = self.plan_provider(self.module, batch, padded, self.group,
-                                  documents=documents_of(named.get("position_ids"), padded))
-        if plan is None:                 # planning failed (already reported): keep the default choice
-            self.plan_provider = None
-            return
-        # applied as the planner made them (what the caller fixed, it was told: autosp.options.Auto)
-        self.config.decisions = plan.decisions()
-        strategies = [c.strategy for c in self.config.decisions.layers]
-        layout_for(strategies, plan.layout)
-        self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
-        set_up(self.config, strategies)
+        bucket = (batch, length_bucket(padded, self.sp_degree))
+        if bucket not in self._plans:
+            # the documents are costed where the batch fills its bucket (else the padding would count)
+            docs = documents_of(named.get("position_ids"), padded) if bucket[1] == padded else ()
+            plan = self.plan_provider(self.module, batch, bucket[1], self.group, documents=docs)
+            if plan is None and not self._plans:      # the first plan failed (reported): the default choice
+                self.plan_provider = None
+                return
+            self._plans[bucket] = plan if plan is not None else self.plan     # later: the last plan, warned
+        self._use(self._plans[bucket])
+
+    def _use(self, plan: Any) -> None:
+        """Run the compiled model for ``plan``'s decisions (applied as the planner made them; what
+        the caller fixed, it was told: autosp.options.Auto)."""
         self.plan = plan
+        decisions = plan.decisions()
+        if decisions == self.config.decisions and self._variants:
+            return
+        strategies = [c.strategy for c in decisions.layers]
+        layout_for(strategies, plan.layout)
+        if not self._variants:           # nothing compiled yet: this model's configuration is the plan's
+            self.config.decisions = decisions
+            set_up(self.config, strategies)
+            self._variants[decisions] = (self.config, self.state, self._compiled)
+        elif decisions not in self._variants:
+            config = replace(self.config, decisions=decisions, runtime=dict(self.config.runtime))
+            set_up(config, strategies)
+            state = BackendState(graph_hooks=self.state.graph_hooks)      # measurement hooks see every variant
+            compiled = torch.compile(self.module, backend=make_backend(config, state), dynamic=True)
+            self._variants[decisions] = (config, state, compiled)
+            self._checked = False        # its graphs get the first call's checks too
+        self.config, self.state, compiled = self._variants[decisions]
+        object.__setattr__(self, "_compiled", compiled)
+        self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
 
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):
