@@ -343,3 +343,15 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
     assert p.seq_len == tokens > 0 and {layer.choice.checkpoint for layer in p.layers} <= {"none", "selective"}
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, seq_len=tokens + 2 * world, **kw)
+
+
+def test_the_plan_names_the_largest_tensors_alive_at_the_peak():
+    """What bounds the context, per rank: Llama-3-8B at 128k tokens on 8 devices holds 16,384
+    tokens each, and the step's peak (before tiling) is the loss's fp32 [tokens, 128,256] logits;
+    then the MLPs' [tokens, 14,336] intermediates."""
+    g = capture("llama3-8b", seq_len=4096)
+    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
+    top = p.predicted["largest_live"]
+    assert [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
+    assert top[0]["shape"] == [16384, 128256] and top[0]["bytes"] == 16384 * 128256 * 4 and top[0]["layer"] is None
+    assert any(t["shape"] == [16384, 14336] and t["layer"] is not None for t in top), top

@@ -94,6 +94,11 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
                                          f"{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
+    for t in pr.get("largest_live", [])[:4]:
+        where = f"layer {t['layer']}" if t["layer"] is not None else "outside the layers"
+        op = t["target"].removeprefix("aten.").removesuffix(".default")
+        head.add_row(f"  largest untiled: {op}", f"{human(t['bytes'], 'B')} ({t['phase']}, {where}, "
+                                                          f"[{', '.join(map(str, t['shape']))}])")
     head.add_row("tokens/s per device, MFU", f"{pr['tokens_per_s_per_device']:.0f}, {pr['mfu']:.1%}")
     head.add_row("solver", f"{plan.solver.get('status')} in {plan.solver.get('solve_s', 0):.2f} s "
                            f"({plan.solver.get('variables')} variables, {plan.solver.get('solves', 1)} solves)")

@@ -17,8 +17,8 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any, Callable
 
-from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
-                                     strategy_saved)
+from autosp.costmodel.memory import (largest_live, layer_saved, mlp_saved, model_states, first_layer_own, own_bytes,
+                                     peak_terms, strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, LayerChoice, MeshChoice
@@ -234,7 +234,10 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,
                  "memory": memory, "peak_bytes": sol.mem_bytes,
                  "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"],
-                 "saved_by": saved_by}
+                 "saved_by": saved_by,
+                 # what bounds the context: the captured step's largest tensors at its peak, per rank,
+                 # before checkpointing and tiling (the decisions above shrink some of them)
+                 "largest_live": largest_live(g, seq_len / sp)}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, dp_degree=world // sp, mesh=sol.mesh,
                 layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
