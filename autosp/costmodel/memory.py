@@ -55,7 +55,7 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> 
     with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions change
     differently."""
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
-        graph.memo["liveness"] = _lifetimes(graph)
+        graph.memo["liveness"] = lifetimes(graph)
     order, ops, base, last, frees = graph.memo["liveness"]
     size = {b: evaluate(ops[b].bytes_written, tokens) for b in last}
     end = len(order)
@@ -76,33 +76,7 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> 
     return peak, grads, at_attention
 
 
-def largest_live(graph: OpGraph, tokens: float, k: int = 6) -> list[dict[str, Any]]:
-    """The ``k`` largest tensors alive where the captured step's memory peaks, at ``tokens`` per
-    rank (before checkpointing and tiling change the schedule): what bounds the context. Each with
-    its op, phase, layer (None outside the blocks), shape and bytes."""
-    if "liveness" not in graph.memo:
-        graph.memo["liveness"] = _lifetimes(graph)
-    order, ops, base, last, frees = graph.memo["liveness"]
-    size = {b: evaluate(ops[b].bytes_written, tokens) for b in last}
-    live: set[str] = set()
-    total = peak = 0.0
-    at_peak: set[str] = set()
-    for i, n in enumerate(order):
-        if base[n] == n:
-            live.add(n)
-            total += size[n]
-            if total > peak:
-                peak, at_peak = total, set(live)
-        for b in frees.get(i, []):
-            live.discard(b)
-            total -= size[b]
-    top = sorted(at_peak, key=lambda b: (-size[b], b))[:k]
-    return [{"op": b, "target": ops[b].target, "phase": ops[b].phase, "layer": ops[b].layer,
-             "shape": [int(evaluate(d, tokens)) for d in ops[b].shapes[0]] if ops[b].shapes else [],
-             "bytes": size[b]} for b in top]
-
-
-def _lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str, int], dict[int, list[str]]]:
+def lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str, int], dict[int, list[str]]]:
     """The schedule's order, its ops, each node's buffer (a view's is its base's), each buffer's
     last use (``len(order)``: a gradient, kept) and the buffers freed after each position."""
     g = graph.graph

@@ -17,8 +17,9 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any, Callable
 
-from autosp.costmodel.memory import (largest_live, layer_saved, mlp_saved, model_states, first_layer_own, own_bytes,
-                                     peak_terms, strategy_saved)
+from autosp.costmodel.live_tensors import largest_live
+from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
+                                     strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, LayerChoice, MeshChoice
