@@ -355,3 +355,24 @@ def test_the_plan_names_the_largest_tensors_alive_at_the_peak():
     assert [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
     assert top[0]["shape"] == [16384, 128256] and top[0]["bytes"] == 16384 * 128256 * 4 and top[0]["layer"] is None
     assert any(t["shape"] == [16384, 14336] and t["layer"] is not None for t in top), top
+
+
+def test_a_plan_file_of_the_previous_schema_is_read_as_typed_decisions(tmp_path):
+    """Plans saved before the decisions were typed (schema 2: flat per-layer dicts) still apply."""
+    old = {"schema": "autosp.plan/2", "model": "llama", "fingerprint": "x", "seq_len": 4096, "batch_size": 1,
+           "dtype": "bfloat16", "world_size": 4, "devices_per_node": 4, "sp_degree": 4, "dp_degree": 1,
+           "layout": "zigzag", "loss_chunks": 8, "zero_shard": 0, "predicted": {}, "profile": "h100-sxm",
+           "memory_limit_bytes": 8e10, "zero_stage": 3,
+           "layers": [{"class": "LlamaDecoderLayer", "fingerprint": "f", "count": 32, "strategy": "zigzag_ring",
+                       "checkpoint": "selective", "mlp_chunks": 8, "ulysses_degree": 1, "ring_degree": 4}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    p = Plan.load(str(path))
+    from autosp.decisions import LayerChoice, MeshChoice
+
+    assert p.mesh == MeshChoice(4, "zigzag", 8, 0) and p.sp_degree == 4 and p.loss_chunks == 8
+    assert p.layers[0].choice == LayerChoice("zigzag_ring", "selective", 8) and p.layers[0].ring_degree == 4
+    assert p.decisions().strategy == "zigzag_ring" and len(p.per_layer()) == 32
+    p.save(str(tmp_path / "new.json"))
+    assert json.loads((tmp_path / "new.json").read_text())["schema"] == "autosp.plan/3"
+    assert Plan.load(str(tmp_path / "new.json")) == p
