@@ -20,9 +20,8 @@ What it changes in the Trainer, and why:
   Trainer divides it by the accumulation steps itself (it is not handed ``num_items_in_batch``,
   which it would count once per rank).
 
-Evaluation returns the global loss; logits for ``compute_metrics`` are this rank's tokens (a
-model called with labels returns local logits), so metrics over logits need
-``autosp={"runtime": autosp.Runtime(gather_outputs=True)}``.
+Evaluation returns the global loss. A model called with labels returns this rank's logits, so
+``compute_metrics`` is refused unless ``autosp={"runtime": autosp.Runtime(gather_outputs=True)}``.
 """
 
 from __future__ import annotations
@@ -51,6 +50,11 @@ class AutospTrainer(transformers.Trainer):
     def __init__(self, *args: Any, autosp: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.autosp_options = dict(autosp or {})
+        runtime = self.autosp_options.get("runtime")
+        if self.compute_metrics is not None and not getattr(runtime, "gather_outputs", False):
+            # a model called with labels returns this rank's logits: metrics over them would be wrong
+            raise AutospError("compute_metrics reads the logits, which autosp leaves sharded (each rank's tokens); "
+                              "pass autosp={'runtime': autosp.Runtime(gather_outputs=True)} to gather them")
         self.sp_model: nn.Module | None = None
         # the model returns the global mean loss: the Trainer scales it for accumulation itself
         self.model_accepts_loss_kwargs = False

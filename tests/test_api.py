@@ -139,3 +139,18 @@ def test_lengths_are_planned_at_their_bucket():
 
     assert [length_bucket(n, 2) for n in (64, 65, 102, 128, 300)] == [64, 128, 128, 128, 512]
     assert length_bucket(6, 4) == 8 and length_bucket(30, 3) == 36      # a multiple of 2 x SP degree
+
+
+def test_the_trainer_refuses_metrics_over_sharded_logits(tmp_path):
+    import transformers
+
+    from autosp.hf import AutospTrainer
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64, attn_implementation="sdpa")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(AutospError, match="compute_metrics reads the logits"):
+        AutospTrainer(model=model, args=args, compute_metrics=lambda p: {})
+    AutospTrainer(model=model, args=args, compute_metrics=lambda p: {},
+                  autosp={"runtime": autosp.Runtime(gather_outputs=True)})

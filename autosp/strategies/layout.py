@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from autosp.decisions import LAYOUTS          # one definition: the decisions carry the layout
 from autosp.errors import AutospError
 from autosp.strategies.collectives import all_gather
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
 PLANNED_LAYOUTS = ("contiguous", "zigzag")      # balanced depends on each batch's documents
 BALANCED_CHUNKS = 4                             # chunks per rank under the balanced layout
 
