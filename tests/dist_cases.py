@@ -80,6 +80,42 @@ class _TokenLocalModel(torch.nn.Module):
         return loss if count is None else loss + 0.0 * count
 
 
+class _HandWrittenBlock(torch.nn.Module):
+    """Attention as many training scripts write it (nanoGPT): a causal mask by masked_fill."""
+
+    def __init__(self, dim: int, heads: int, max_len: int = 256, mixing: bool = False):
+        super().__init__()
+        self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in self.qkv(self.norm(x)).split(c, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
+        if self.mixing:
+            att = att - att.mean(1, keepdim=True)
+        att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        y = torch.softmax(att, dim=-1) @ v
+        return x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _HandWritten(torch.nn.Module):
+    def __init__(self, heads: int, dim: int = 64, vocab: int = 128, mixing: bool = False):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
+        self.layers = torch.nn.ModuleList(_HandWrittenBlock(dim, heads, mixing=mixing) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind in ("token_local", "token_local_leak"):
@@ -116,11 +152,19 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.02, **common)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
-    if kind == "gemma2":          # transformers offers it eager attention only
+    if kind in ("handwritten", "handwritten_mixing"):
+        return _HandWritten(heads, mixing=kind == "handwritten_mixing")
+    if kind == "gemma2":          # transformers offers it eager attention only: soft-capped scores
         cfg = transformers.Gemma2Config(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
-                                        vocab_size=128, attn_implementation="eager")
+                                        vocab_size=128, attn_implementation="eager", sliding_window=8,
+                                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        assert cfg.layer_types == ["sliding_attention", "full_attention"]
         return transformers.AutoModelForCausalLM.from_config(cfg)
+    if kind == "bloom":           # eager attention only: ALiBi added by baddbmm on [batch*heads, S, d]
+        return transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+            hidden_size=16 * heads, n_layer=2, n_head=heads, vocab_size=128, hidden_dropout=0.0,
+            attention_dropout=0.0))
     if kind == "falcon_alibi":    # multi-query (one K/V head); ALiBi's bias reaches SDPA inside a dense mask
         return transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
             hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads, multi_query=True,
@@ -159,7 +203,7 @@ def falcon_sdpa_kv_heads(heads: int) -> int:
 
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
           **extra: torch.Tensor) -> torch.Tensor:
-    if kind.startswith("reference") or kind.startswith("token_local"):
+    if kind.startswith("reference") or kind.startswith("token_local") or kind.startswith("handwritten"):
         return model(ids, labels=labels)
     # use_cache=False, as autosp runs HF models: without a cache transformers also reads packed
     # documents from restarting position ids (with one, it silently attends across them)

@@ -160,13 +160,28 @@ def test_uneven_ignored_labels_and_odd_length(pool):
     check_exact(res, ["ulysses"] * 2)
 
 
-def test_eager_attention_is_refused_by_name(pool):
-    msgs = run_ok(pool, "expect_error", kind="llama", attn="eager")
-    assert "no scaled_dot_product_attention" in msgs[0] and "softmax" in msgs[0]
-    assert "attn_implementation='sdpa'" in msgs[0]
-    # Families transformers gives no SDPA (Gemma-2): the message says so instead of suggesting it.
-    msg = run_ok(pool, "expect_error", kind="gemma2", strategy="ulysses")[0]     # forced: no planner capture
-    assert "implements no SDPA attention" in msg and "attn_implementation='sdpa'" not in msg, msg
+@pytest.mark.parametrize("kind,strategy", [("handwritten", "ulysses"), ("handwritten", "allgather_kv"),
+                                           ("gemma2", "ulysses"), ("bloom", "ulysses"), ("bloom", "allgather_kv")])
+def test_attention_written_by_hand_matches_single_device(pool, kind, strategy):
+    # nanoGPT's masked_fill causal mask, Gemma-2's soft-capped scores with a sliding-window layer,
+    # BLOOM's ALiBi added by baddbmm on [batch*heads, S, d]: each region runs as written, on this
+    # rank's heads (Ulysses) or query rows against gathered keys (all-gather-KV)
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, steps=2)
+    check_exact(res, [strategy] * 2)
+    check_ran(res[0], strategy, world=2)
+
+
+def test_attention_written_by_hand_is_refused_where_unsafe(pool):
+    # ring splits the softmax over key blocks, which needs the scores inside its kernel
+    msg = run_ok(pool, "expect_error", kind="handwritten", strategy="ring")[0]
+    assert "attention 0 at" in msg and "is attention written by hand, which ring cannot run" in msg, msg
+    assert "use allgather_kv or ulysses" in msg, msg
+    # a score function that mixes heads: no strategy splits it safely; the op and line are named
+    msg = run_ok(pool, "expect_error", kind="handwritten_mixing", strategy="ulysses")[0]
+    assert "written by hand" in msg and "(mean at" in msg and "dist_cases.py" in msg, msg
+    # Gemma-2 has eager attention only and soft-caps its scores: ring is refused for it by name too
+    msg = run_ok(pool, "expect_error", kind="gemma2", strategy="ring")[0]
+    assert "which ring cannot run" in msg and "modeling_gemma2.py" in msg, msg
 
 
 def test_registered_torch_compile_backend(pool):

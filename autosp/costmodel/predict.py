@@ -160,7 +160,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         if a.kind == OpKind.ATTENTION:
             shape = attention_shape(a, S, graph.attention_dropout, documents)
             if shape not in costs:
-                reason = strat.illegal(shape, mesh)
+                reason = strat.refuses(shape, mesh)
                 if reason:
                     raise AutospError(f"strategy '{strat.spec}' cannot run {graph.model_name}'s attention: "
                                       f"it {reason}")

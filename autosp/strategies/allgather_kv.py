@@ -21,7 +21,8 @@ from autosp.strategies.allgather_kv_kernel import allgather_kv_attention as over
 from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, Transfer, register
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
-from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks
+from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks, slice_seq, to_natural_order
+from autosp.strategies.region import full_sizes, slice_atom
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_costs import blockwise_kernel_calls
 
@@ -42,6 +43,17 @@ def allgather_kv_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask:
     out, _ = chunked_attention(query, k, v, block_mask(attn_mask, query), rank_chunks(layout, rank, world),
                                all_chunks(layout, world), is_causal, softmax_scale(query, scale))
     return out
+
+
+def allgather_kv_region(query: Tensor, key: Tensor, value: Tensor, *extras: Any, region: Any, group_name: str,
+                        layout: str = "contiguous", **_: Any) -> Tensor:
+    pg = resolve_group(group_name)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    full = full_sizes(query, value, world)
+    k, v = (to_natural_order(all_gather_rs(t.contiguous(), 2, group_name), 2, layout, world) for t in (key, value))
+    mine = [slice_atom(x, a, "sq", full, lambda t, d: slice_seq(t, d, full["sq"], rank, world, layout))
+            for x, a in zip(extras, region.autosp_region.extras)]
+    return region(query, k, v, *mine)
 
 
 def own_share(shape: AttentionShape, mesh: SPMesh) -> float:
@@ -68,6 +80,7 @@ class AllGatherKV(Strategy):
     family = "allgather_kv"
     example = "allgather_kv[:overlap]"
     attention_fn = staticmethod(allgather_kv_attention)
+    region_fn = staticmethod(allgather_kv_region)
 
     def __init__(self, overlapped: bool = False):
         self.overlapped = overlapped
@@ -90,6 +103,10 @@ class AllGatherKV(Strategy):
         return [cls(), cls(True)] if mesh.overlap else [cls()]
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        if shape.written and (shape.positional or self.overlapped):
+            why = "reads token positions inside it" if shape.positional else "runs blockwise under :overlap"
+            return (f"is attention written by hand that {why}, which needs every query row on one rank; "
+                    "use 'ulysses'" + ("" if shape.positional else " or plain 'allgather_kv'"))
         return dropout_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:

@@ -61,6 +61,8 @@ class AttentionShape:
     dropout: bool = False                  # attention dropout is on
     window: float = 0                      # the mask's sliding window in tokens (0: none)
     documents: tuple[int, ...] = ()        # packed document lengths (a causal mask within each)
+    written: bool = False                  # attention the model writes itself (transform/attention_region.py)
+    positional: bool = False               # ... that reads token positions inside it (tril, arange, ...)
 
     def bytes(self, heads: float, tokens: float) -> float:
         """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""
@@ -132,6 +134,8 @@ class Strategy(ABC):
     layout: ClassVar[str | None] = None         # the token layout it needs; None: any
     auto_rank: ClassVar[int | None] = None      # order in which strategy="auto" tries it
     attention_fn: ClassVar[Callable[..., Any]]  # replaces scaled_dot_product_attention
+    # runs attention the model writes itself (strategies/region.py); None: this strategy cannot
+    region_fn: ClassVar[Callable[..., Any] | None] = None
 
     @property
     def spec(self) -> str:
@@ -152,6 +156,14 @@ class Strategy(ABC):
     @abstractmethod
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
         """Why this strategy cannot run this op on this mesh (a sentence naming the fix), or None."""
+
+    def refuses(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        """:meth:`illegal`, and for attention written by hand whether this strategy can run it."""
+        if shape.written and self.region_fn is None:
+            can = sorted(c.family for c in _REGISTRY.values() if c.region_fn is not None)
+            return (f"is attention written by hand, which {self.spec} cannot run (it needs the scores "
+                    f"inside its own kernel); use {' or '.join(can)}, or F.scaled_dot_product_attention")
+        return self.illegal(shape, mesh)
 
     @abstractmethod
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
@@ -236,7 +248,7 @@ def pick(spec: "str | Strategy", shape: AttentionShape, mesh: SPMesh) -> Strateg
     ranked = sorted((c for c in _REGISTRY.values() if c.auto_rank is not None), key=lambda c: c.auto_rank)
     for cls in ranked:
         for strat in cls.variants(mesh, shape):
-            if strat.illegal(shape, mesh) is None:
+            if strat.refuses(shape, mesh) is None:
                 return strat
     raise AutospError(f"no strategy can run attention with {shape.heads} heads on {mesh.degree} ranks; "
                       f"name one of {', '.join(names())}")
@@ -252,7 +264,7 @@ def candidates(mesh: SPMesh, shape: AttentionShape, allowed: "tuple[str, ...] | 
     for family, cls in _REGISTRY.items():
         if allowed is not None and family not in allowed:
             continue
-        out += [s for s in cls.variants(mesh, shape) if s.illegal(shape, mesh) is None]
+        out += [s for s in cls.variants(mesh, shape) if s.refuses(shape, mesh) is None]
     return out
 
 

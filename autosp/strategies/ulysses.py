@@ -37,6 +37,7 @@ from autosp.errors import AutospError
 from autosp.strategies.base import AttentionCost, AttentionShape, KernelCall, SPMesh, Strategy, Transfer, register
 from autosp.strategies.collectives import all_to_all, all_to_all_complete, all_to_all_issue, resolve_group
 from autosp.strategies.layout import to_natural_order, to_rank_order
+from autosp.strategies.region import full_sizes, slice_atom
 
 
 def kv_repeat(n_heads: int, n_kv: int, world: int, chunks: int = 1) -> int:
@@ -161,6 +162,20 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
     return torch.cat(outs, dim=hd)
 
 
+def ulysses_region(query: Tensor, key: Tensor, value: Tensor, *extras: Any, region: Any, group_name: str,
+                   layout: str = "contiguous", **_: Any) -> Tensor:
+    pg = resolve_group(group_name)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    full = full_sizes(query, value, world)
+    q, k, v = seq_to_heads(query, key, value, group_name)
+    q, k, v = (to_natural_order(t, 2, layout, world) for t in (q, k, v))   # the masks are in token order
+    h = full["h"] // world
+    mine = [slice_atom(x, a, "h", full, lambda t, d: t.narrow(d, rank * h, h))
+            for x, a in zip(extras, region.autosp_region.extras)]
+    out = region(q, k, v, *mine)
+    return heads_to_seq(to_rank_order(out, 2, layout, world).contiguous(), group_name)
+
+
 CHUNK_CHOICES = (1, 2, 4, 8)      # head groups the planner may pipeline Ulysses in
 
 
@@ -170,6 +185,7 @@ class Ulysses(Strategy):
     example = "ulysses[:cK]"
     auto_rank = 0
     attention_fn = staticmethod(ulysses_attention)
+    region_fn = staticmethod(ulysses_region)
 
     def __init__(self, chunks: int = 1):
         self.chunks = chunks
@@ -196,6 +212,9 @@ class Ulysses(Strategy):
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
         reason = heads_illegal(shape.heads, shape.kv_heads, mesh.degree)
+        if not reason and shape.written and self.chunks > 1:
+            return (f"is attention written by hand, whose heads {self.spec} cannot pipeline (it pipelines "
+                    "SDPA calls); use plain 'ulysses'")
         if reason or self.chunks == 1:
             return reason
         k, p = self.chunks, mesh.degree

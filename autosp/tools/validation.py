@@ -139,7 +139,7 @@ def runs_here(name: str, strategy: str, sp: int, seq_len: int) -> bool:
     shape = AttentionShape(heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"],
                            head_dim=c["hidden_size"] // c["num_attention_heads"], seq_len=seq_len, causal=True)
     st = resolve(strategy)
-    return st.illegal(shape, SPMesh(sp, st.layout or "contiguous")) is None
+    return st.refuses(shape, SPMesh(sp, st.layout or "contiguous")) is None
 
 
 def measured_held_out(models: list[str], seq_lens: list[int], strategies: list[str], repeats: int = 5,

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autosp.decisions import Decisions
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
+from autosp.transform.attention_region import extract_regions
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
@@ -207,7 +208,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads,
             loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group),
             seq_len=state.seq_len)
-        if not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
+        written = extract_regions(gm)        # attention the model writes itself: one call each
+        if not written and not any(n.op == "call_function" and n.target in SDPA_TARGETS for n in gm.graph.nodes):
             sites = _eager_attention_sites(gm)
             state.eager_attention.extend(sites)
             if sites:               # hand-written attention: never sharded by length (refused by name after)

@@ -57,11 +57,13 @@ from autosp.errors import AutospError
 from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
+from autosp.transform.attention_region import REGION_TARGETS
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
 from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+ATTENTION_TARGETS = SDPA_TARGETS | REGION_TARGETS      # the model's SDPA calls, and attention it writes itself
 CE_TARGETS = {F.cross_entropy}
 _SHAPE_METHODS = {"size", "dim", "numel", "stride"}
 # Ops whose ``dim`` argument mixes or reorders entries along that dim.
@@ -230,7 +232,7 @@ class Sharder:
 
     # ------------------------------------------------------------------ main
     def run(self) -> ShardReport:
-        attn = [n for n in self.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+        attn = [n for n in self.graph.nodes if n.op == "call_function" and n.target in ATTENTION_TARGETS]
         losses = [n for n in self.graph.nodes if n.op == "call_function" and n.target in CE_TARGETS]
         if not attn and not (losses and self.ctx.seq_len and self.find_seq_symbols_by_length(self.ctx.seq_len)):
             return self._replicated()
@@ -352,7 +354,7 @@ class Sharder:
                     f"'{a.name}' is computed from this rank's tokens inside token-local module {self.per_rank[a]} "
                     f"and used outside it ({_where(n)}); under SP each rank holds its own value: return only "
                     "per-token outputs from the module")
-        if n.target in SDPA_TARGETS:
+        if n.target in ATTENTION_TARGETS:
             return self._attention(n)
         if n.target in CE_TARGETS and s_in:
             return self._cross_entropy(n)
@@ -416,12 +418,16 @@ class Sharder:
                 if not self.seq_dims(_val(a)):
                     raise AutospError(f"attention at {_where(n)} has an input without a sequence dim")
                 self._replace_input(n, a, self._slice(a))
-        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+        written = n.target in REGION_TARGETS
+        if written:
+            mask, is_causal, dropout = self._region_inputs(n)
+        else:
+            mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+            is_causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+            dropout = _dropout_p(n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0))
         if isinstance(mask, fx.Node) and self.place.get(mask) is not None:
             raise AutospError(f"the attention mask at {_where(n)} is computed from sharded activations; "
                               "build it from the inputs (ids, positions, attention_mask)")
-        is_causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
-        dropout = _dropout_p(n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0))
         if dropout:
             self.report.dropout_at.append(f"p={dropout:g} at {_where(n)}")
         if mask is None and not is_causal:
@@ -429,17 +435,19 @@ class Sharder:
         qv, kv = _val(q), _val(k)
         index = self.ctx.attention_offset + self.report.attention
         where = f"attention {index} at {_where(n)}"
+        info = getattr(self.gm, str(n.kwargs["region"].target)).autosp_region if written else None
         shape = AttentionShape(heads=int(qv.shape[-3]), kv_heads=int(kv.shape[-3]), causal=bool(is_causal),
-                               masked=mask is not None, dropout=bool(dropout))
+                               masked=mask is not None, dropout=bool(dropout), written=written,
+                               positional=bool(info and info.positional))
         mesh = SPMesh(self.ctx.world, self.ctx.layout)
         strat = pick(self._strategy_for(index), shape, mesh)
-        reason = strat.illegal(shape, mesh)
+        reason = strat.refuses(shape, mesh)
         if reason:
             raise AutospError(f"{where} {reason}")
         runtime = self.ctx.runtime.get(strat.spec)
         if runtime is None:   # picked by "auto": compile prepared only named strategies (auto needs no sub-groups)
             runtime = self.ctx.runtime[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
-        n.target = strat.attention_fn
+        n.target = strat.region_fn if written else strat.attention_fn
         n.kwargs = {**n.kwargs, **runtime, "layout": self.ctx.layout}
         early = strat.early_issue(shape)
         if early is not None:
@@ -448,6 +456,20 @@ class Sharder:
         self.report.attention += 1
         self.report.strategies.append(strat.spec)
         self.report.heads.append((shape.heads, shape.kv_heads))
+
+    def _region_inputs(self, n: fx.Node) -> tuple[fx.Node | None, bool, float]:
+        """(a mask among the extras of attention written by hand, False, its dropout): its extras are
+        the single-device tensors the model computed (masks, biases); the runtime slices them."""
+        info = getattr(self.gm, str(n.kwargs["region"].target)).autosp_region
+        extras = [a for a in n.args[3:] if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+        for a in n.args[3:]:
+            if isinstance(a, fx.Node) and self.place.get(a) is not None:
+                raise AutospError(f"{a.name}, read by the attention written by hand at {info.where}, is computed "
+                                  "from sharded activations; build masks and biases from the inputs")
+            if a in self.local_sym:
+                raise AutospError(f"the attention written by hand at {info.where} reads {a.name}, a size of this "
+                                  "rank's tokens; read sizes off q, k or v inside the attention")
+        return (extras[0] if extras else None), False, info.dropout
 
     def _issue_where_made(self, a: fx.Node, early: tuple[Any, dict[str, Any]], runtime: dict[str, Any]) -> fx.Node:
         """``early``'s call on ``a``, placed right after the node that makes ``a``: what the

@@ -1,0 +1,47 @@
+"""What the runtimes of attention the model writes itself share (:mod:`autosp.transform.attention_region`).
+
+A region runs as the model wrote it, on other shapes: its views take their sizes from the
+tensors it gets (the region's atoms), and its masks and biases are sliced here along the atom the
+strategy splits.
+
+  Ulysses        all-to-all q, k, v from this rank's tokens of every head to every token of
+                 H/P heads; the region runs on them (any score function: soft-capping, ALiBi,
+                 masks made inside it); the output goes back. Extras keep this rank's heads.
+  all-gather-KV  K and V gathered whole (their gradients reduce-scattered back); the region runs
+                 with this rank's query rows against every key, which holds for any score function
+                 that reads no position inside the region. Extras keep this rank's query rows.
+
+Both see every key of a query row, so the softmax is the model's own; ring attention would split
+it over key blocks and is refused for regions (:meth:`autosp.strategies.base.Strategy.refuses`).
+The runtimes live with their strategies: ``ulysses_region``, ``allgather_kv_region``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import Tensor
+
+
+Atoms = tuple[tuple[str, ...], ...]
+
+
+def full_sizes(q: Tensor, v: Tensor, world: int) -> dict[str, int]:
+    """The atoms' single-device sizes, from this rank's sequence-sharded q and v."""
+    return {"b": q.shape[0], "h": q.shape[1], "sq": q.shape[2] * world, "sk": q.shape[2] * world,
+            "d": q.shape[3], "dv": v.shape[3]}
+
+
+def slice_atom(x: Any, atoms: Atoms | None, atom: str, full: dict[str, int],
+               cut: Callable[[Tensor, int], Tensor]) -> Any:
+    """``x`` (an extra of the region, single-device sizes) cut along ``atom`` wherever a dim holds it."""
+    if atoms is None or not isinstance(x, Tensor):
+        return x
+    for dim, group in enumerate(atoms):
+        if atom not in group:
+            continue
+        shape = list(x.shape)
+        y = x.reshape(shape[:dim] + [full[a] for a in group] + shape[dim + 1:])
+        y = cut(y, dim + group.index(atom))
+        x = y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+    return x
