@@ -83,7 +83,7 @@ class _TokenLocalModel(torch.nn.Module):
 class _HandWrittenBlock(torch.nn.Module):
     """Attention as many training scripts write it (nanoGPT): a causal mask by masked_fill."""
 
-    def __init__(self, dim: int, heads: int, max_len: int = 256, mixing: bool = False):
+    def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False):
         super().__init__()
         self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
         self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
@@ -108,8 +108,8 @@ class _HandWritten(torch.nn.Module):
         self.embed, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
         self.layers = torch.nn.ModuleList(_HandWrittenBlock(dim, heads, mixing=mixing) for _ in range(2))
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x)
         logits = self.head(x)
@@ -1067,4 +1067,37 @@ def varying_lengths(lengths: tuple[int, ...] = (64, 100, 200, 64, 300, 96), plan
         for opt in (opt_ref, opt_sp):
             opt.step()
             opt.zero_grad()
+    return out
+
+
+def written_attention_memory(kinds: tuple[str, ...] = ("handwritten", "gemma2", "bloom"), seq_len: int = 512,
+                             strategies: tuple[str, ...] = ("ulysses", "allgather_kv")) -> dict[str, Any]:
+    """Per model with attention written by hand and per strategy: the probe's step peak (allocator
+    view, through AOTAutograd) against the planner's prediction, whose S x S scores the region's
+    attention op carries (score_saved / score_live per score entry, from the captured graph)."""
+    import torch.distributed as dist
+
+    from autosp.costmodel.predict import predict, step_peak
+    from autosp.costmodel.profile import load_profile
+    from autosp.graph import capture
+    from autosp.tools.memory_probe import step_peak as probe_peak
+
+    world, out = dist.get_world_size(), {}
+    ids = torch.randint(0, 128, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    for kind in kinds:
+        graph = capture(build(kind), seq_len=seq_len, dtype="float32")
+        attention = graph.first_attention()
+        for strategy in strategies:
+            torch._dynamo.reset()
+            sp = autosp.compile(build(kind), plan=strategy, runtime=autosp.Runtime(compiler="aot_eager"))
+            _loss(sp, kind, ids, ids).backward()                          # compile outside the probe
+            for p in sp.parameters():
+                p.grad = None
+            loss, peak = probe_peak(sp, lambda: _loss(sp, kind, ids, ids))
+            predicted = step_peak(graph, load_profile("cpu-gloo"), sp=world, strategy=strategy, seq_len=seq_len)
+            scores = predict(graph, load_profile("cpu-gloo"), sp=world, strategy=strategy, seq_len=seq_len)
+            out[f"{kind}/{strategy}"] = {
+                "peak": peak, "predicted": predicted, "strategies": sp.state.strategies,
+                "score_saved": attention.score_saved, "written": attention.written,
+                "attention_saved": sum(scores.attention_saved.values())}
     return out

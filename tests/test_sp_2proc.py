@@ -171,6 +171,33 @@ def test_attention_written_by_hand_matches_single_device(pool, kind, strategy):
     check_ran(res[0], strategy, world=2)
 
 
+def test_attention_written_by_hand_is_planned_by_the_default_call(pool):
+    # autosp.compile(model) on Llama with attn_implementation="eager": the planner captures the
+    # region as one attention op and plans it; the strategy it chose is the one that ran
+    res = run_ok(pool, "train_compare", kind="llama", attn="eager", steps=2)
+    planned = [layer.choice.strategy for layer in res[0]["plan_layers"]]
+    assert planned and set(planned) <= {"ulysses", "allgather_kv"}, planned
+    check_exact(res, planned * 2 if len(planned) == 1 else planned)
+
+
+def test_attention_written_by_hand_memory_is_predicted(pool):
+    """The region's S x S scores are in the planner's memory model, per rank as the strategy holds
+    them, and the step peak it predicts is the probe's (through AOTAutograd, 512 tokens)."""
+    m = run_ok(pool, "written_attention_memory", kinds=("handwritten", "gemma2"))[0]
+    for case, v in m.items():
+        kind, strategy = case.split("/")
+        assert v["written"] and v["strategies"] == [strategy] * 2, (case, v)
+        # the scores the region keeps for its backward: the probabilities (fp32), and for
+        # Gemma-2 the soft-capped scores too; B*H*S*S/2 entries a rank under either strategy
+        # (what one layer of each layer class saves; 4 heads)
+        assert v["score_saved"] == (8.0 if kind == "gemma2" else 4.0), (case, v)
+        assert v["attention_saved"] >= v["score_saved"] * 4 * 512 * 512 / 2, (case, v)
+        # Gemma-2's two masks (sliding and full, [1, 1, S, S] on every rank) are costed at the
+        # local length like every tensor outside attention: under by their 3/4, about 20%
+        low = 0.9 if kind == "handwritten" else 0.75
+        assert low <= v["predicted"] / v["peak"] <= 1.1, (case, v)
+
+
 def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     # ring splits the softmax over key blocks, which needs the scores inside its kernel
     msg = run_ok(pool, "expect_error", kind="handwritten", strategy="ring")[0]

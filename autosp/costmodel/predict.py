@@ -89,7 +89,8 @@ def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
     return AttentionShape(heads=int(ev(a.heads)), kv_heads=int(ev(a.kv_heads)), head_dim=int(ev(a.head_dim)),
                           batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
                           causal=a.causal or bool(documents), masked=a.masked or bool(documents),
-                          window=ev(a.window), documents=tuple(documents), dropout=dropout)
+                          window=ev(a.window), documents=tuple(documents), dropout=dropout, written=a.written,
+                          score_saved=a.score_saved, score_live=a.score_live, score_traffic=a.score_traffic)
 
 
 def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backward: bool,

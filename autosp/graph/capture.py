@@ -19,31 +19,32 @@ of token ids.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import traceback
-from typing import Any, Iterator
+from typing import Any
 
 import networkx as nx
 import sympy
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autosp.errors import AutospError
 from autosp.graph.build import Built, build, count_params, fsdp_hooks_off
 from autosp.graph.catalog import ModelSource
-from autosp.graph.hf_compat import attention_window, eager_experts_as_grouped, experts_as_compiled, unpacked_positions
+from autosp.graph.hf_compat import (attention_window, broadcast_kv_as_gqa, eager_experts_as_grouped,
+                                     experts_as_compiled, unpacked_positions)
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
 from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
+from autosp.graph.written_attention import fill_score_costs, find_written, roles, written_op
 
 DEFAULT_LM_INPUTS = "input_ids:int64[B,S],labels:int64[B,S]"
 
 # constant_pad_nd's fake kernel guards on concrete sizes, which would pin the symbolic
 # sequence length (HF shifts labels with F.pad); its decomposition keeps it symbolic.
-_DECOMPOSITIONS = torch._decomp.get_decompositions([torch.ops.aten.constant_pad_nd])
+# baddbmm's (BLOOM's ALiBi scores) fake kernel takes no symbolic sizes; as bmm, mul and add it does.
+_DECOMPOSITIONS = torch._decomp.get_decompositions([torch.ops.aten.constant_pad_nd, torch.ops.aten.baddbmm])
 
 
 def capture(model: str | nn.Module | ModelSource, *, seq_len: int, batch_size: int = 1,
@@ -163,7 +164,7 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
         return loss, [g for g in grads if g is not None]
 
     try:
-        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), _broadcast_kv_as_gqa(), \
+        with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), broadcast_kv_as_gqa(), \
                 experts_as_compiled(built.is_hf), eager_experts_as_grouped(module), fsdp_hooks_off(module):
             gm = make_fx(step, tracing_mode="real", decomposition_table=_DECOMPOSITIONS)(params, kwargs)
     except AutospError:
@@ -218,26 +219,6 @@ def _loss_of(out: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise AutospError(f"the model returned {type(out).__name__}; return a loss tensor, logits, or an object with .loss")
     return loss if loss.numel() == 1 else loss.float().mean()
-
-
-@contextlib.contextmanager
-def _broadcast_kv_as_gqa() -> Iterator[None]:
-    """SDPA broadcasts a single K/V head over every query head (multi-query attention, Falcon);
-    no fused kernel takes that, so SDPA would decompose into matmuls and a softmax and the capture
-    would find no attention op. ``enable_gqa=True`` is the same math on the fused kernel."""
-    original = F.scaled_dot_product_attention
-
-    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        hq, hk = query.shape[-3], key.shape[-3]
-        if not kwargs.get("enable_gqa") and key.dim() == query.dim() == 4 and hk != hq and hq % hk == 0:
-            kwargs["enable_gqa"] = True
-        return original(query, key, value, *args, **kwargs)
-
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 def _explain_trace_failure(name: str, e: Exception) -> str:
@@ -304,6 +285,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
     g = nx.DiGraph()
     storage_best: dict[Any, tuple[Any, str]] = {}
     shapes_of: dict[Any, list] = {}
+    role = roles(find_written(nodes, boundary))      # attention the model writes itself
     for i, n in enumerate(nodes):
         tvals = _tensor_vals(n.meta.get("val"))
         shapes = [tuple(_expr(d, shape_env, canon) for d in t.shape) for t in tvals]
@@ -313,7 +295,8 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
         phase = "fwd" if i < boundary else "bwd"
         layer = fwd_block(i) if phase == "fwd" else seq_nr_block.get(n.meta.get("seq_nr"))
         region = fwd_region(i) if phase == "fwd" else seq_nr_region.get(n.meta.get("seq_nr"))
-        kind = classify(n.target)
+        kind = OpKind.VIEW if role.get(n, ("",))[0] == "inside" else \
+            OpKind.ATTENTION if n in role else classify(n.target)
         arg_shapes = [(shapes_of.get(a) or [None])[0] if isinstance(a, torch.fx.Node) else None for a in n.args]
         out_bytes = sum(prod(s) * t.element_size() for s, t in zip(shapes, tvals))
         in_bytes = 0
@@ -321,8 +304,11 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             for s, t in zip(shapes_of.get(a, []), _tensor_vals(a.meta.get("val"))):
                 in_bytes += prod(s) * t.element_size()
         is_view = kind == OpKind.VIEW
-        attention = None
-        if kind == OpKind.ATTENTION:
+        attention, flops = None, op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes)
+        if n in role and kind == OpKind.ATTENTION:
+            attention, flops, out_bytes = written_op(role[n], shapes_of, out_bytes,
+                                                      windows[layer] if layer is not None else 0)
+        elif kind == OpKind.ATTENTION:
             q, k = attention_operands(n.target, arg_shapes)
             masked = is_masked_call(n.target, n.args, n.kwargs)
             # A causal LM's explicit mask (a sliding window; padding at run time) is causal too.
@@ -334,15 +320,16 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             name=n.name, target=str(n.target), kind=kind, phase=phase, layer=layer, shapes=shapes,
             dtypes=[str(t.dtype).replace("torch.", "") for t in tvals],
             seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
-            flops=op_flops(n.target, n.args, n.kwargs, shapes, arg_shapes),
-            bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
+            flops=flops, bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
             attention=attention, index=i, region=region if layer is not None else None))
         for a in n.all_input_nodes:
             if a.name in g:
                 g.add_edge(a.name, n.name)
-        # Saved for backward: a forward activation (holds S) read by a backward op.
+        # Saved for backward: a forward activation (holds S) read by a backward op. The S x S
+        # tensors of attention written by hand are the strategy's to cost (score_saved).
         if phase == "fwd" and len(tvals) == 1 and any(_has_seq(e) for e in shapes[0]) \
-                and any(index[u] >= boundary for u in n.users):
+                and any(index[u] >= boundary for u in n.users) \
+                and not (n in role and sum(map(_has_seq, shapes[0])) >= 2):
             key = _storage_key(tvals[0], n.name)
             size = prod(shapes[0]) * tvals[0].element_size()
             prev = storage_best.get(key)
@@ -350,6 +337,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
                 storage_best[key] = (size, n.name)
     for size, name in storage_best.values():
         g.nodes[name]["op"].bytes_saved = size
+    fill_score_costs(g, role, nodes, boundary, shapes_of, seq_len)
 
     classes = _layer_classes(built, g)
     return OpGraph(graph=g, model_name=built.name, batch_size=batch_size, seq_len=seq_len,

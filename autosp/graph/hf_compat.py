@@ -13,9 +13,10 @@ utilities; no per-family code.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 
 
 def is_hf_model(module: object) -> bool:
@@ -129,3 +130,22 @@ def sdpa_unsupported(module: object) -> bool:
     fails in transformers itself."""
     return is_hf_model(module) and getattr(type(module), "_supports_sdpa", True) is False
 
+
+@contextlib.contextmanager
+def broadcast_kv_as_gqa() -> Iterator[None]:
+    """SDPA broadcasts a single K/V head over every query head (multi-query attention, Falcon);
+    no fused kernel takes that, so SDPA would decompose into matmuls and a softmax and the capture
+    would find no attention op. ``enable_gqa=True`` is the same math on the fused kernel."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if not kwargs.get("enable_gqa") and key.dim() == query.dim() == 4 and hk != hq and hq % hk == 0:
+            kwargs["enable_gqa"] = True
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

@@ -57,6 +57,12 @@ class AttentionOp:
     causal: bool                     # what the tokens may see is causal (flag or the model's mask)
     masked: bool = False             # the kernel gets an explicit mask (it then computes every block)
     window: int = 0                  # sliding window of the model's causal mask, tokens (0: none)
+    # attention the model writes itself (graph/written_attention.py): bytes per score entry
+    # (batch x heads x S x S) its S x S tensors take: saved for backward, live at once, moved
+    written: bool = False
+    score_saved: float = 0.0
+    score_live: float = 0.0
+    score_traffic: float = 0.0
 
 
 @dataclass

@@ -22,7 +22,7 @@ from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strate
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
 from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks, slice_seq, to_natural_order
-from autosp.strategies.region import full_sizes, slice_atom
+from autosp.strategies.region import full_sizes, score_bytes, slice_atom
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_costs import blockwise_kernel_calls
 
@@ -115,13 +115,15 @@ class AllGatherKV(Strategy):
         shard = shape.bytes(shape.kv_heads, s_loc)
         inter = mesh.crosses_nodes
         beside = own_share(shape, mesh) if self.overlapped else 0.0
+        scores_saved, scores_live, scores_moved = score_bytes(shape, p)
         return AttentionCost(
             kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
             transfers=[Transfer("all_gather", p, shard, "fwd", 2, inter, beside=beside),
                        Transfer("reduce_scatter", p, shard * p, "bwd", 2, inter, beside=beside)],
-            workspace_bytes=2 * shard * p + 2 * shape.bytes(shape.heads, s_loc),
+            workspace_bytes=2 * shard * p + 2 * shape.bytes(shape.heads, s_loc) + scores_live,
             # the output's copy, and the whole K and V the op keeps for its backward (both forms)
-            saved_bytes=shape.bytes(shape.heads, s_loc) + 2 * shard * (p - 1))
+            saved_bytes=shape.bytes(shape.heads, s_loc) + 2 * shard * (p - 1) + scores_saved,
+            copy_bytes=scores_moved)
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "overlap": self.overlapped}

@@ -63,6 +63,11 @@ class AttentionShape:
     documents: tuple[int, ...] = ()        # packed document lengths (a causal mask within each)
     written: bool = False                  # attention the model writes itself (transform/attention_region.py)
     positional: bool = False               # ... that reads token positions inside it (tril, arange, ...)
+    # ... and the bytes per score entry (batch x heads x S x S) its S x S tensors take: saved for
+    # the backward, live at once, moved by its pointwise ops (graph/written_attention.py)
+    score_saved: float = 0.0
+    score_live: float = 0.0
+    score_traffic: float = 0.0
 
     def bytes(self, heads: float, tokens: float) -> float:
         """Size of a ``[batch, heads, tokens, head_dim]`` tensor of this op's dtype."""

@@ -26,6 +26,18 @@ from torch import Tensor
 Atoms = tuple[tuple[str, ...], ...]
 
 
+def score_bytes(shape: Any, degree: int) -> tuple[float, float, float]:
+    """(saved for the backward, workspace, moved per forward) of a region's S x S tensors per rank:
+    both strategies hold ``B*H*S*S/P`` score entries (H/P heads of every row, or every head of
+    S/P rows). The workspace is what the region holds at its peak beyond what it saves (those are
+    counted with the layer's saved activations)."""
+    if not shape.written:
+        return 0.0, 0.0, 0.0
+    entries = shape.batch * shape.heads * shape.seq_len * shape.seq_len / degree
+    return (shape.score_saved * entries, (shape.score_live - shape.score_saved) * entries,
+            shape.score_traffic * entries)
+
+
 def full_sizes(q: Tensor, v: Tensor, world: int) -> dict[str, int]:
     """The atoms' single-device sizes, from this rank's sequence-sharded q and v."""
     return {"b": q.shape[0], "h": q.shape[1], "sq": q.shape[2] * world, "sk": q.shape[2] * world,

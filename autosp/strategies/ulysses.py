@@ -37,7 +37,7 @@ from autosp.errors import AutospError
 from autosp.strategies.base import AttentionCost, AttentionShape, KernelCall, SPMesh, Strategy, Transfer, register
 from autosp.strategies.collectives import all_to_all, all_to_all_complete, all_to_all_issue, resolve_group
 from autosp.strategies.layout import to_natural_order, to_rank_order
-from autosp.strategies.region import full_sizes, slice_atom
+from autosp.strategies.region import full_sizes, score_bytes, slice_atom
 
 
 def kv_repeat(n_heads: int, n_kv: int, world: int, chunks: int = 1) -> int:
@@ -233,6 +233,7 @@ class Ulysses(Strategy):
         q = shape.bytes(shape.heads, s_loc)
         kv = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, p, k), s_loc)
         copies = (q + 2 * kv) if reorder else 0.0
+        scores_saved, scores_live, scores_moved = score_bytes(shape, p)
         return AttentionCost(
             # an explicit mask (a window, padding) makes the fused kernel compute every block
             kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
@@ -241,10 +242,10 @@ class Ulysses(Strategy):
             # unpipelined, one all-to-all's receive buffer beside its result (the send buffer is
             # freed first); pipelined, send and receive buffers of about three groups (the group
             # attending, the next one's inputs, the last output) stay in flight
-            workspace_bytes=copies + (q if k == 1 else 2 * q * min(1.0, 3 / k)),
+            workspace_bytes=copies + (q if k == 1 else 2 * q * min(1.0, 3 / k)) + scores_live,
             # the output all-to-all's result is a new tensor, which the output projection saves
-            saved_bytes=q,
-            copy_bytes=2 * (copies + q) if reorder else 0.0)
+            saved_bytes=q + scores_saved,
+            copy_bytes=(2 * (copies + q) if reorder else 0.0) + scores_moved)
 
     def setup(self, group: Any) -> dict[str, Any]:
         return {"group_name": group.group_name, "chunks": self.chunks}
