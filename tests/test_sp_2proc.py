@@ -183,7 +183,7 @@ def test_attention_written_by_hand_is_planned_by_the_default_call(pool):
 def test_attention_written_by_hand_memory_is_predicted(pool):
     """The region's S x S scores are in the planner's memory model, per rank as the strategy holds
     them, and the step peak it predicts is the probe's (through AOTAutograd, 512 tokens)."""
-    m = run_ok(pool, "written_attention_memory", kinds=("handwritten", "gemma2"))[0]
+    m = run_ok(pool, "written_attention_memory", kinds=("gemma2", "bloom"))[0]
     for case, v in m.items():
         kind, strategy = case.split("/")
         assert v["written"] and v["strategies"] == [strategy] * 2, (case, v)
@@ -192,10 +192,8 @@ def test_attention_written_by_hand_memory_is_predicted(pool):
         # (what one layer of each layer class saves; 4 heads)
         assert v["score_saved"] == (8.0 if kind == "gemma2" else 4.0), (case, v)
         assert v["attention_saved"] >= v["score_saved"] * 4 * 512 * 512 / 2, (case, v)
-        # Gemma-2's two masks (sliding and full, [1, 1, S, S] on every rank) are costed at the
-        # local length like every tensor outside attention: under by their 3/4, about 20%
-        low = 0.9 if kind == "handwritten" else 0.75
-        assert low <= v["predicted"] / v["peak"] <= 1.1, (case, v)
+        # masks every rank makes whole are sized at the whole length; dropout at p=0 copies nothing
+        assert 0.9 <= v["predicted"] / v["peak"] <= 1.1, (case, v)
 
 
 def test_attention_written_by_hand_is_refused_where_unsafe(pool):

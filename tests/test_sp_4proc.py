@@ -37,6 +37,19 @@ def test_heads_that_ulysses_cannot_split(pool):
     assert "hybrid" in msgs[0]
 
 
+@pytest.mark.parametrize("kind,strategy,layout", [("gemma2", "ulysses", None), ("bloom", "allgather_kv", None),
+                                                  ("handwritten", "allgather_kv", "zigzag"),
+                                                  ("handwritten", "ulysses", "zigzag")])
+def test_attention_written_by_hand_on_four_ranks(pool, kind, strategy, layout):
+    # Gemma-2's soft-capped scores and sliding window over 4 ranks' heads; BLOOM's ALiBi on each
+    # rank's query rows; a hand-written causal mask sliced (all-gather-KV) or put in token order
+    # (Ulysses) on the zigzag layout
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, layout=layout, steps=2)
+    check_exact(res, [strategy] * 2)
+    check_ran(res[0], strategy, world=4)
+    assert {a["layout"] for a in res[0]["report"]["attention"]} == {layout or "contiguous"}, res[0]["report"]
+
+
 # ring on 4 ranks: test_more_ranks_than_heads, test_graph_break_between_sharded_layers_is_exact
 @pytest.mark.parametrize("strategy", ["zigzag_ring", "allgather_kv", "hybrid:2x2"])
 @pytest.mark.parametrize("kind", ["llama"])          # the reference model: on 2 ranks

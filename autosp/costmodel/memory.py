@@ -49,15 +49,17 @@ def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) ->
             "gradients": n * p_bytes / (group if zero_stage >= 2 else 1)}
 
 
-def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> tuple[float, float, float]:
+def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
+                  full: float | None = None) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
-    while an attention op runs), with sizes evaluated at ``tokens`` per rank; ``phases`` is filled
+    while an attention op runs), with sizes evaluated at ``tokens`` per rank, and those every rank
+    makes on the whole sequence (masks, rotary tables) at its ``full`` length; ``phases`` is filled
     with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions change
     differently."""
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
         graph.memo["liveness"] = lifetimes(graph)
     order, ops, base, last, frees = graph.memo["liveness"]
-    size = {b: evaluate(ops[b].bytes_written, tokens) for b in last}
+    size = sizes(graph, tokens, full)
     end = len(order)
     grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0
@@ -74,6 +76,13 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None) -> 
     if phases is not None:
         phases.update(_phases(graph, order, ops, curve))
     return peak, grads, at_attention
+
+
+def sizes(graph: OpGraph, tokens: float, full: float | None = None) -> dict[str, float]:
+    """Bytes of each buffer of the schedule at ``tokens`` per rank; a replicated one (made from
+    positions alone: every rank makes it whole) at the ``full`` sequence length."""
+    order, ops, base, last, frees = graph.memo["liveness"]
+    return {b: evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens) for b in last}
 
 
 def lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str, int], dict[int, list[str]]]:

@@ -290,7 +290,7 @@ def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspa
             phases: dict, zero_shard: int = 0) -> dict[str, float]:
     states = model_states(graph, sp * dp, zero_stage, zero_shard)
     s_loc = S / sp
-    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases)
+    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S)
     extra_layers = untraced_layer_activations(graph, s_loc)
     # The strategy's buffers exist only around attention: they raise the peak only if the
     # schedule is near its peak there (the peak is often at the loss, where they are gone).

@@ -180,7 +180,7 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
         raise AutospError(f"model '{built.name}' turns the sequence length into a constant while tracing "
                           "(e.g. int(x.shape[1]) or a Python branch on it); keep sequence sizes as tensor shapes")
     canon = {s: S for s in seq_exprs | seq_syms if isinstance(s, sympy.Symbol)}
-    return _to_opgraph(built, gm, shape_env, canon, marks, boundary[0], batch_size, seq_len, dtype)
+    return _to_opgraph(built, gm, shape_env, canon, marks, boundary[0], batch_size, seq_len, dtype, len(params))
 
 
 def _position(node: Any, index: dict) -> int:
@@ -253,7 +253,7 @@ def _tensor_vals(val: Any) -> list[torch.Tensor]:
 
 def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: dict,
                 marks: dict[int, list[Any]], boundary_node: Any, batch_size: int, seq_len: int,
-                dtype: torch.dtype) -> OpGraph:
+                dtype: torch.dtype, n_params: int) -> OpGraph:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     spans = {b: (_position(m[0], index), _position(m[-1], index)) for b, m in marks.items()
@@ -286,6 +286,10 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
     storage_best: dict[Any, tuple[Any, str]] = {}
     shapes_of: dict[Any, list] = {}
     role = roles(find_written(nodes, boundary))      # attention the model writes itself
+    learned = set([n for n in nodes if n.op == "placeholder"][:n_params])     # what the parameters reach
+    for n in nodes:
+        if any(a in learned for a in n.all_input_nodes):
+            learned.add(n)
     for i, n in enumerate(nodes):
         tvals = _tensor_vals(n.meta.get("val"))
         shapes = [tuple(_expr(d, shape_env, canon) for d in t.shape) for t in tvals]
@@ -321,7 +325,8 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             dtypes=[str(t.dtype).replace("torch.", "") for t in tvals],
             seq_dims=[[d for d, e in enumerate(s) if _has_seq(e)] for s in shapes],
             flops=flops, bytes_read=0 if is_view else in_bytes, bytes_written=0 if is_view else out_bytes,
-            attention=attention, index=i, region=region if layer is not None else None))
+            attention=attention, index=i, region=region if layer is not None else None,
+            replicated=phase == "fwd" and n not in learned and any(map(_has_seq, shapes[0] if shapes else ()))))
         for a in n.all_input_nodes:
             if a.name in g:
                 g.add_edge(a.name, n.name)

@@ -84,6 +84,9 @@ class OpNode:
     attention: AttentionOp | None = None
     index: int = 0
     region: str | None = None        # the child module of its block it ran in ("mlp", "self_attn", ...)
+    # made from positions and inputs alone (a mask, rotary tables): under SP every rank computes it
+    # on the full sequence (the sharding pass slices it where it meets sharded tokens)
+    replicated: bool = False
 
     @property
     def holds_memory(self) -> bool:

@@ -238,7 +238,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                  "saved_by": saved_by,
                  # what bounds the context: the captured step's largest tensors at its peak, per rank,
                  # before checkpointing and tiling (the decisions above shrink some of them)
-                 "largest_live": largest_live(g, seq_len / sp)}
+                 "largest_live": largest_live(g, seq_len / sp, full=seq_len)}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, dp_degree=world // sp, mesh=sol.mesh,
                 layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,

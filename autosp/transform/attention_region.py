@@ -198,6 +198,11 @@ def extract_regions(gm: fx.GraphModule) -> int:
         for j, e in enumerate(extras):
             env[e] = sub.placeholder(f"extra_{j}")
         for n in f.nodes:
+            if op_name(n) == "dropout" and _dropout(n) == 0.0:
+                # F.dropout(p=0.0, training=True) copies its S x S input, which the value matmul then
+                # saves beside the softmax's output: the identity it is keeps one copy
+                env[n] = env[n.args[0]]
+                continue
             if n in labels.recipes:
                 shape = sub.call_function(region_shape, (env[f.q], env[f.k], env[f.v], labels.recipes[n]))
                 env[n] = sub.call_method(op_name(n) if op_name(n) != "_unsafe_view" else "reshape",
