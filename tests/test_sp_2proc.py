@@ -160,15 +160,19 @@ def test_uneven_ignored_labels_and_odd_length(pool):
     check_exact(res, ["ulysses"] * 2)
 
 
-@pytest.mark.parametrize("kind,strategy", [("handwritten", "ulysses"), ("handwritten", "allgather_kv"),
-                                           ("gemma2", "ulysses"), ("bloom", "ulysses"), ("bloom", "allgather_kv")])
-def test_attention_written_by_hand_matches_single_device(pool, kind, strategy):
-    # nanoGPT's masked_fill causal mask, Gemma-2's soft-capped scores with a sliding-window layer,
-    # BLOOM's ALiBi added by baddbmm on [batch*heads, S, d]: each region runs as written, on this
-    # rank's heads (Ulysses) or query rows against gathered keys (all-gather-KV)
-    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, steps=2)
+@pytest.mark.parametrize("kind,strategy,compiler", [("handwritten", "ulysses", None), ("handwritten", "allgather_kv", None),
+                                                    ("gemma2", "ulysses", "inductor"), ("bloom", "ulysses", None),
+                                                    ("bloom", "allgather_kv", None)])
+def test_attention_written_by_hand_matches_single_device(pool, kind, strategy, compiler):
+    # nanoGPT's masked_fill causal mask, Gemma-2's soft-capped scores with a sliding-window layer
+    # (through Inductor), BLOOM's ALiBi added by baddbmm on [batch*heads, S, d]: each region runs
+    # as written, on this rank's heads (Ulysses) or query rows against gathered keys (all-gather-KV)
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, steps=2, compiler=compiler)
     check_exact(res, [strategy] * 2)
     check_ran(res[0], strategy, world=2)
+    from conftest import SUITE_COMPILER
+
+    assert res[0]["report"]["compiler"] == (compiler or SUITE_COMPILER or "aot_eager"), res[0]["report"]
 
 
 def test_attention_written_by_hand_is_planned_by_the_default_call(pool):
