@@ -83,9 +83,10 @@ class _TokenLocalModel(torch.nn.Module):
 class _HandWrittenBlock(torch.nn.Module):
     """Attention as many training scripts write it (nanoGPT): a causal mask by masked_fill."""
 
-    def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False):
+    def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False, einsum: bool = False):
         super().__init__()
         self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
+        self.einsum = einsum             # scores by einsum: not a matmul autosp follows
         self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
         self.norm = torch.nn.LayerNorm(dim)
         self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len))
@@ -94,7 +95,8 @@ class _HandWrittenBlock(torch.nn.Module):
         b, t, c = x.shape
         q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for y in self.qkv(self.norm(x)).split(c, dim=2))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
+        att = (torch.einsum("bhsd,bhtd->bhst", q, k) if self.einsum else q @ k.transpose(-2, -1)) \
+            * (1.0 / k.size(-1) ** 0.5)
         if self.mixing:
             att = att - att.mean(1, keepdim=True)
         att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
@@ -103,10 +105,10 @@ class _HandWrittenBlock(torch.nn.Module):
 
 
 class _HandWritten(torch.nn.Module):
-    def __init__(self, heads: int, dim: int = 64, vocab: int = 128, mixing: bool = False):
+    def __init__(self, heads: int, dim: int = 64, vocab: int = 128, **how: bool):
         super().__init__()
         self.embed, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
-        self.layers = torch.nn.ModuleList(_HandWrittenBlock(dim, heads, mixing=mixing) for _ in range(2))
+        self.layers = torch.nn.ModuleList(_HandWrittenBlock(dim, heads, **how) for _ in range(2))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -152,8 +154,8 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.02, **common)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
-    if kind in ("handwritten", "handwritten_mixing"):
-        return _HandWritten(heads, mixing=kind == "handwritten_mixing")
+    if kind in ("handwritten", "handwritten_mixing", "handwritten_einsum"):
+        return _HandWritten(heads, mixing=kind == "handwritten_mixing", einsum=kind == "handwritten_einsum")
     if kind == "gemma2":          # transformers offers it eager attention only: soft-capped scores
         cfg = transformers.Gemma2Config(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,

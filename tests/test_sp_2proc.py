@@ -208,6 +208,10 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     # a score function that mixes heads: no strategy splits it safely; the op and line are named
     msg = run_ok(pool, "expect_error", kind="handwritten_mixing", strategy="ulysses")[0]
     assert "written by hand" in msg and "(mean at" in msg and "dist_cases.py" in msg, msg
+    # scores by einsum: no region is found, and the first call says what it saw and the fix
+    msg = run_ok(pool, "expect_error", kind="handwritten_einsum", strategy="ulysses")[0]
+    assert "no attention autosp can shard" in msg and "softmax (" in msg and "dist_cases.py" in msg, msg
+    assert "scaled_dot_product_attention" in msg, msg
     # Gemma-2 has eager attention only and soft-caps its scores: ring is refused for it by name too
     msg = run_ok(pool, "expect_error", kind="gemma2", strategy="ring")[0]
     assert "which ring cannot run" in msg and "modeling_gemma2.py" in msg, msg

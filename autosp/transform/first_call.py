@@ -22,15 +22,13 @@ def check_first_call(sp: Any, padded: bool) -> None:
             "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
             f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
             "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
-    if sp.state.attention_ops == 0 and sdpa_unsupported(sp.module):
-        raise AutospError(f"{type(sp.module).__name__} has no scaled_dot_product_attention to shard: transformers "
-                          "implements no SDPA attention for this family (only eager attention), and autosp "
-                          "shards SDPA calls; SP cannot run on this model yet")
     if sp.state.attention_ops == 0:
         found = "; ".join(sp.state.eager_attention) or "no attention op at all"
-        raise AutospError(f"{type(sp.module).__name__} has no scaled_dot_product_attention to shard "
-                          f"(found: {found}); build the model with attn_implementation='sdpa' or call "
-                          "F.scaled_dot_product_attention")
+        fix = "write it as softmax(q @ k^T ...) @ v on [batch, heads, seq, head_dim] tensors" \
+            if sdpa_unsupported(sp.module) else "build the model with attn_implementation='sdpa'"
+        raise AutospError(f"{type(sp.module).__name__} has no attention autosp can shard: no "
+                          f"scaled_dot_product_attention, and no attention written by hand it could follow "
+                          f"(found: {found}); {fix}, or call F.scaled_dot_product_attention")
     if not sp.config.reduce_grads and sp.sp_degree > 1:
         refuse_eager_parameters(sp)
     if sp.zero_stage is not None and sp.mesh.dp_degree > 1 and torch.is_grad_enabled() and \
