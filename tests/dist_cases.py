@@ -83,8 +83,10 @@ class _TokenLocalModel(torch.nn.Module):
 class _HandWrittenBlock(torch.nn.Module):
     """Attention as many training scripts write it (nanoGPT): a causal mask by masked_fill."""
 
-    def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False, einsum: bool = False):
+    def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False, einsum: bool = False,
+                 tril: bool = False):
         super().__init__()
+        self.tril = tril                 # scores cut by position inside the attention (tril): Ulysses only
         self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
         self.einsum = einsum             # scores by einsum: not a matmul autosp follows
         self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
@@ -100,6 +102,8 @@ class _HandWrittenBlock(torch.nn.Module):
         if self.mixing:
             att = att - att.mean(1, keepdim=True)
         att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
+        if self.tril:
+            att = att.tril()
         y = torch.softmax(att, dim=-1) @ v
         return x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
@@ -154,8 +158,9 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.02, **common)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
-    if kind in ("handwritten", "handwritten_mixing", "handwritten_einsum"):
-        return _HandWritten(heads, mixing=kind == "handwritten_mixing", einsum=kind == "handwritten_einsum")
+    if kind.startswith("handwritten"):         # handwritten[_mixing|_einsum|_tril]
+        how = kind.split("_")[1] if "_" in kind else ""
+        return _HandWritten(heads, **({how: True} if how else {}))
     if kind == "gemma2":          # transformers offers it eager attention only: soft-capped scores
         cfg = transformers.Gemma2Config(hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,

@@ -39,11 +39,14 @@ def test_heads_that_ulysses_cannot_split(pool):
 
 @pytest.mark.parametrize("kind,strategy,layout", [("gemma2", "ulysses", None), ("bloom", "allgather_kv", None),
                                                   ("handwritten", "allgather_kv", "zigzag"),
-                                                  ("handwritten", "ulysses", "zigzag")])
+                                                  ("handwritten", "ulysses", "zigzag"), ("handwritten", "ring", None),
+                                                  ("gemma2", "zigzag_ring", "zigzag"),
+                                                  ("handwritten_tril", "ulysses", None)])
 def test_attention_written_by_hand_on_four_ranks(pool, kind, strategy, layout):
-    # Gemma-2's soft-capped scores and sliding window over 4 ranks' heads; BLOOM's ALiBi on each
-    # rank's query rows; a hand-written causal mask sliced (all-gather-KV) or put in token order
-    # (Ulysses) on the zigzag layout
+    # Gemma-2's soft-capped scores and sliding window over 4 ranks' heads, or around a zigzag ring;
+    # BLOOM's ALiBi on each rank's query rows; a hand-written causal mask sliced (all-gather-KV),
+    # cut per key block (ring) or put in token order (Ulysses) on the zigzag layout; scores cut by
+    # position inside the region (tril) under Ulysses, which gives it every position
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, layout=layout, steps=2)
     check_exact(res, [strategy] * 2)
     check_ran(res[0], strategy, world=4)

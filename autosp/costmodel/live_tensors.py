@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.costmodel.memory import lifetimes, sizes
+from autosp.costmodel.memory import lifetimes
 from autosp.graph import OpGraph, evaluate
 
 
@@ -16,7 +16,7 @@ def largest_live(graph: OpGraph, tokens: float, k: int = 6, full: float | None =
     if "liveness" not in graph.memo:
         graph.memo["liveness"] = lifetimes(graph)
     order, ops, base, last, frees = graph.memo["liveness"]
-    size = sizes(graph, tokens, full)
+    size = {b: evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens) for b in last}
     live: set[str] = set()
     total = peak = 0.0
     at_peak: set[str] = set()

@@ -52,14 +52,14 @@ def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) ->
 def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
                   full: float | None = None) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
-    while an attention op runs), with sizes evaluated at ``tokens`` per rank, and those every rank
-    makes on the whole sequence (masks, rotary tables) at its ``full`` length; ``phases`` is filled
-    with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions change
-    differently."""
+    while an attention op runs), with sizes at ``tokens`` per rank; ``phases`` is
+    filled with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions
+    change differently."""
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
         graph.memo["liveness"] = lifetimes(graph)
     order, ops, base, last, frees = graph.memo["liveness"]
-    size = sizes(graph, tokens, full)
+    # one every rank makes whole from positions alone (a mask, rotary tables) at the ``full`` length
+    size = {b: evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens) for b in last}
     end = len(order)
     grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0
@@ -76,13 +76,6 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
     if phases is not None:
         phases.update(_phases(graph, order, ops, curve))
     return peak, grads, at_attention
-
-
-def sizes(graph: OpGraph, tokens: float, full: float | None = None) -> dict[str, float]:
-    """Bytes of each buffer of the schedule at ``tokens`` per rank; a replicated one (made from
-    positions alone: every rank makes it whole) at the ``full`` sequence length."""
-    order, ops, base, last, frees = graph.memo["liveness"]
-    return {b: evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens) for b in last}
 
 
 def lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str, int], dict[int, list[str]]]:

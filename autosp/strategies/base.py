@@ -63,6 +63,7 @@ class AttentionShape:
     documents: tuple[int, ...] = ()        # packed document lengths (a causal mask within each)
     written: bool = False                  # attention the model writes itself (transform/attention_region.py)
     positional: bool = False               # ... that reads token positions inside it (tril, arange, ...)
+    unsplit: str = ""                      # ... why its softmax cannot be split over key blocks ("": it can)
     # ... and the bytes per score entry (batch x heads x S x S) its S x S tensors take: saved for
     # the backward, live at once, moved by its pointwise ops (graph/written_attention.py)
     score_saved: float = 0.0

@@ -11,9 +11,12 @@ strategy splits.
                  with this rank's query rows against every key, which holds for any score function
                  that reads no position inside the region. Extras keep this rank's query rows.
 
-Both see every key of a query row, so the softmax is the model's own; ring attention would split
-it over key blocks and is refused for regions (:meth:`autosp.strategies.base.Strategy.refuses`).
-The runtimes live with their strategies: ``ulysses_region``, ``allgather_kv_region``.
+  ring           K/V blocks around the ring, the region's score ops per block, the softmax merged
+                 by log-sum-exp (:mod:`autosp.strategies.ring_region`). Extras keep this rank's
+                 query rows, and the op cuts their key columns block by block.
+
+The runtimes live with their strategies: ``ulysses_region``, ``allgather_kv_region``,
+``ring_region``; the hybrid has none (:meth:`autosp.strategies.base.Strategy.refuses`).
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ from torch import Tensor
 Atoms = tuple[tuple[str, ...], ...]
 
 
-def score_bytes(shape: Any, degree: int) -> tuple[float, float, float]:
+def score_bytes(shape: Any, degree: int, blockwise: bool = False) -> tuple[float, float, float]:
     """(saved for the backward, workspace, moved per forward) of a region's S x S tensors per rank:
     both strategies hold ``B*H*S*S/P`` score entries (H/P heads of every row, or every head of
     S/P rows). The workspace is what the region holds at its peak beyond what it saves (those are
-    counted with the layer's saved activations)."""
+    counted with the layer's saved activations). ``blockwise`` (ring): a block at a time, none saved."""
     if not shape.written:
         return 0.0, 0.0, 0.0
     entries = shape.batch * shape.heads * shape.seq_len * shape.seq_len / degree
+    if blockwise:     # ring: one [S/P, S/P] block of scores at a time, recomputed in the backward
+        # beside the region's own tensors, the blockwise backward's fp32 P, dP, dS and rescaled scores
+        block = entries / degree
+        return 0.0, (shape.score_live + 16) * block, shape.score_traffic * entries
     return (shape.score_saved * entries, (shape.score_live - shape.score_saved) * entries,
             shape.score_traffic * entries)
 

@@ -21,7 +21,9 @@ from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strate
 from autosp.strategies.ring_costs import blockwise_kernel_calls, ring_transfers, ring_workspace
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import all_chunks
+from autosp.strategies.region import score_bytes
 from autosp.strategies.ring_kernel import ring_attention
+from autosp.strategies.ring_region import ring_region
 
 
 def no_dropout(strategy: str, dropout_p: float) -> None:
@@ -67,6 +69,7 @@ class Ring(Strategy):
     family = "ring"
     auto_rank = 1
     attention_fn = staticmethod(ring_attention_sp)
+    region_fn = staticmethod(ring_region)
 
     @classmethod
     def variants(cls, mesh: SPMesh, shape: AttentionShape) -> list[Strategy]:
@@ -74,15 +77,20 @@ class Ring(Strategy):
         return [cls()] if mesh.degree > 1 and mesh.layout == "contiguous" else []
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
+        if shape.written and shape.unsplit:
+            return (f"is attention written by hand that {shape.unsplit}, so {self.spec} cannot split its softmax "
+                    "over key blocks; use 'ulysses'" + ("" if shape.positional else " or 'allgather_kv'"))
         return dropout_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree
         kv_block = 2 * shape.bytes(shape.kv_heads, shape.seq_len / p)
+        _, scores, moved = score_bytes(shape, p, blockwise=True)     # attention written by hand
         return AttentionCost(kernels=blockwise_kernel_calls(shape, mesh, shape.batch * shape.heads, p),
                              transfers=ring_transfers(kv_block, p, mesh.crosses_nodes, shape.elem_bytes),
-                             workspace_bytes=ring_workspace(shape, mesh),
-                             saved_bytes=shape.bytes(shape.heads, shape.seq_len / p))     # the output's copy
+                             workspace_bytes=ring_workspace(shape, mesh) + scores,
+                             saved_bytes=shape.bytes(shape.heads, shape.seq_len / p),     # the output's copy
+                             copy_bytes=moved)
 
 
 @register

@@ -26,6 +26,7 @@ along the atoms the strategy splits. An op the propagation cannot follow is refu
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from autosp.errors import AutospError
+from autosp.strategies.ring_region import register_scores
 from autosp.transform.region_atoms import (ELEMENTWISE, MATMUL, RESHAPING, SOFTMAX, VIEWS, Atoms, RegionAtoms,
                                            matmul_operands, op_name, region_shape, source_line, value_of)
 
@@ -47,6 +49,8 @@ class RegionInfo:
     positional: list[str] = field(default_factory=list)   # ops that read positions (tril, arange, ...)
     dropout: float = 0.0                         # the largest dropout probability inside
     atom_sizes: dict[str, int] = field(default_factory=dict)   # at capture (heads, head_dim)
+    unsplit: str = ""            # why its softmax cannot be split over key blocks ("": it can)
+    score_key: str = ""          # its score function for ring attention (strategies/ring_region.py)
 
 
 def region_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extras: Any,
@@ -122,6 +126,7 @@ class _Found:
     out: fx.Node
     softmax: fx.Node
     nodes: list[fx.Node]          # in graph order
+    value: fx.Node | None = None  # the value matmul
 
 
 def _find(graph: fx.Graph) -> list[_Found]:
@@ -175,7 +180,7 @@ def _find(graph: fx.Graph) -> list[_Found]:
                               "write it so, or call F.scaled_dot_product_attention")
         inside = _descendants([q, k, v]) & (_ancestors(out, {q, k, v}) | {out})
         nodes = [n for n in graph.nodes if n in inside]
-        found.append(_Found(q, k, v, out, sm, nodes))     # type: ignore[arg-type]
+        found.append(_Found(q, k, v, out, sm, nodes, value))     # type: ignore[arg-type]
     return found
 
 
@@ -212,11 +217,15 @@ def extract_regions(gm: fx.GraphModule) -> int:
             env[n].meta = dict(n.meta)
         sub.output(env[f.out])
         module = fx.GraphModule(torch.nn.Module(), sub)
+        atoms = [labels.extra_atoms.get(e) for e in extras]
+        scores = _scores_of(sub, env[f.softmax].args[0].name)
+        unsplit = _unsplit(f, labels, extras, scores)
         module.autosp_region = RegionInfo(       # type: ignore[assignment]
             where=source_line(f.softmax), ops=sorted({op_name(n) for n in f.nodes}),
-            extras=[labels.extra_atoms.get(e) for e in extras], positional=labels.positional,
+            extras=atoms, positional=labels.positional,
             dropout=max((_dropout(n) for n in f.nodes if op_name(n) == "dropout"), default=0.0),
-            atom_sizes={k: v for k, v in labels.size_of.items() if isinstance(v, int)})
+            atom_sizes={k: v for k, v in labels.size_of.items() if isinstance(v, int)}, unsplit=unsplit,
+            score_key="" if unsplit else register_scores(scores, atoms))
         attr = f"autosp_region_{i}"
         gm.add_submodule(attr, module)
         with graph.inserting_before(f.out):
@@ -232,6 +241,42 @@ def extract_regions(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return len(regions)
+
+
+# between the softmax and the value matmul: what a blockwise softmax may skip
+_AFTER_SOFTMAX = VIEWS | {"to", "float", "type_as", "contiguous", "clone", "dropout"}
+
+
+def _unsplit(f: _Found, labels: RegionAtoms, extras: list[fx.Node], scores: fx.GraphModule) -> str:
+    """Why ring attention cannot run this region over key blocks ("" when it can): its softmax
+    must read only ``[batch, heads, q, k]`` scores made from q, k and tensors from outside."""
+    read = [p for p in scores.graph.nodes if p.op == "placeholder"][3:]
+    sizes = [e.name for e, p in zip(extras, read) if p.users and isinstance(value_of(e), (int, torch.SymInt))]
+    if sizes:
+        return f"computes its scores with a size from outside it ({sizes[0]})"
+    if labels.positional:
+        return f"reads token positions inside it ({labels.positional[0]})"
+    atoms = labels.atoms.get(f.softmax.args[0]) or ()
+    if tuple(atoms[-2:]) != (("sq",), ("sk",)) or not {a for d in atoms[:-2] for a in d} <= {"b", "h"}:
+        return "softmaxes scores not laid out as [batch, heads, queries, keys]"
+    if f.softmax.kwargs.get("dtype", torch.float32) not in (torch.float32, None):
+        return "softmaxes in a precision below fp32"
+    feeding = _ancestors(f.value, set())
+    between = [n for n in f.nodes if n not in (f.softmax, f.value) and n in feeding and
+               f.softmax in _ancestors(n, set())]
+    odd = [op_name(n) for n in between if op_name(n) not in _AFTER_SOFTMAX] + \
+        [op_name(f.value)] * (op_name(f.value) == "baddbmm")
+    return f"runs {odd[0]} between its softmax and the value matmul" if odd else ""
+
+
+def _scores_of(region: fx.Graph, scores: str) -> fx.GraphModule:
+    """The region's graph up to the softmax's input: ``(q, k, v, *extras) -> scores``."""
+    g = copy.deepcopy(region)
+    end = next(n for n in g.nodes if n.name == scores)
+    g.erase_node(next(n for n in g.nodes if n.op == "output"))
+    g.output(end)
+    g.eliminate_dead_code()
+    return fx.GraphModule(torch.nn.Module(), g)
 
 
 def _dropout(n: fx.Node) -> float:

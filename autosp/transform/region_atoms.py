@@ -103,7 +103,8 @@ def _split_atoms(atoms: tuple[str, ...], sizes: list[Any], size_of: dict[str, An
     for s in sizes:
         got: list[str] = []
         prod: Any = 1
-        while not _eq(prod, s) and i < len(atoms):
+        # a size-1 dim takes a size-1 atom (a batch of 1) rather than leaving it to the next dim
+        while i < len(atoms) and (not _eq(prod, s) or (not got and _eq(s, 1) and _eq(size_of[atoms[i]], 1))):
             got.append(atoms[i])
             prod = prod * _expr(size_of[atoms[i]])
             i += 1

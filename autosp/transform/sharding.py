@@ -438,7 +438,7 @@ class Sharder:
         info = getattr(self.gm, str(n.kwargs["region"].target)).autosp_region if written else None
         shape = AttentionShape(heads=int(qv.shape[-3]), kv_heads=int(kv.shape[-3]), causal=bool(is_causal),
                                masked=mask is not None, dropout=bool(dropout), written=written,
-                               positional=bool(info and info.positional))
+                               positional=bool(info and info.positional), unsplit=info.unsplit if info else "")
         mesh = SPMesh(self.ctx.world, self.ctx.layout)
         strat = pick(self._strategy_for(index), shape, mesh)
         reason = strat.refuses(shape, mesh)
