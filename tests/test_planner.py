@@ -376,3 +376,29 @@ def test_a_plan_file_of_the_previous_schema_is_read_as_typed_decisions(tmp_path)
     p.save(str(tmp_path / "new.json"))
     assert json.loads((tmp_path / "new.json").read_text())["schema"] == "autosp.plan/3"
     assert Plan.load(str(tmp_path / "new.json")) == p
+
+
+def test_attention_written_by_hand_is_planned_with_the_strategies_that_can_run_it():
+    # the captured region is one attention op whose S x S scores the strategies charge per rank;
+    # a region reading positions (tril in its scores) is Ulysses' alone, planned and predicted so
+    from autosp.costmodel.predict import predict
+    from autosp.costmodel.profile import load_profile
+
+    from dist_cases import build
+
+    prof = load_profile("cpu-gloo")
+    for kind in ("handwritten", "handwritten_tril"):
+        g = capture(build(kind), seq_len=256, dtype="float32")
+        a = g.first_attention()
+        assert a.written and a.score_saved == 4.0 and a.positional == (kind == "handwritten_tril"), a
+        p = plan(None, graph=g, seq_len=256, world_size=2, profile="cpu-gloo", memory_limit=float("inf"))
+        assert {layer.choice.strategy for layer in p.layers} <= (
+            {"ulysses"} if a.positional else {"ulysses", "allgather_kv", "ring"}), p.layers
+        ulysses = predict(g, prof, sp=2, strategy="ulysses", seq_len=256)
+        if a.positional:
+            with pytest.raises(AutospError, match="reads token positions inside it"):
+                predict(g, prof, sp=2, strategy="ring", seq_len=256)
+        else:       # ring keeps no S x S scores for the backward; Ulysses 4 bytes x B*H*S*S/2 a layer
+            ring = predict(g, prof, sp=2, strategy="ring", seq_len=256)
+            saved = {k: ulysses.attention_saved[k] - ring.attention_saved[k] for k in ring.attention_saved}
+            assert all(v >= 4 * 4 * 256 * 256 / 2 for v in saved.values()), saved

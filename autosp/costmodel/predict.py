@@ -90,6 +90,7 @@ def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
                           batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
                           causal=a.causal or bool(documents), masked=a.masked or bool(documents),
                           window=ev(a.window), documents=tuple(documents), dropout=dropout, written=a.written,
+                          positional=a.positional, unsplit="reads token positions inside it" if a.positional else "",
                           score_saved=a.score_saved, score_live=a.score_live, score_traffic=a.score_traffic)
 
 

@@ -60,6 +60,7 @@ class AttentionOp:
     # attention the model writes itself (graph/written_attention.py): bytes per score entry
     # (batch x heads x S x S) its S x S tensors take: saved for backward, live at once, moved
     written: bool = False
+    positional: bool = False         # ... reading token positions inside it (tril): Ulysses only
     score_saved: float = 0.0
     score_live: float = 0.0
     score_traffic: float = 0.0

@@ -29,6 +29,7 @@ from autosp.graph.opgraph import AttentionOp, evaluate
 from autosp.graph.ops import attention_flops, prod
 
 _MATMUL = {"bmm", "baddbmm", "mm", "matmul"}
+_POSITIONAL = {"tril", "triu", "cumsum", "cumprod", "logcumsumexp"}     # what reads positions in a region
 _VIEWISH = {"view", "_unsafe_view", "expand", "transpose", "permute", "clone", "t", "contiguous", "alias",
             "reshape", "squeeze", "unsqueeze", "_reshape_alias", "as_strided", "detach"}
 
@@ -204,7 +205,8 @@ def written_op(role: tuple[str, Written], shapes_of: dict, out_bytes: Any,
     which, w = role
     q, k = shapes_of[w.q][0], shapes_of[w.k][0]
     op = AttentionOp(batch=prod(q[:-3]), heads=q[-3], kv_heads=k[-3], q_len=q[-2], kv_len=k[-2], head_dim=q[-1],
-                     causal=True, masked=True, window=window, written=True)
+                     causal=True, masked=True, window=window, written=True,
+                     positional=any(_name(n) in _POSITIONAL for n in w.inside))
     backward = which == "backward"
     elem = w.q.meta["val"].element_size()
     return op, attention_flops(q, k, False, backward), 3 * prod(q) * elem if backward else out_bytes
