@@ -1108,3 +1108,24 @@ def written_attention_memory(kinds: tuple[str, ...] = ("handwritten", "gemma2", 
                 "score_saved": attention.score_saved, "written": attention.written,
                 "attention_saved": sum(scores.attention_saved.values())}
     return out
+
+
+def batches_differ_across_ranks() -> dict[str, Any]:
+    """A step where the ranks of the SP group pass batches of different lengths: refused on every
+    rank before anything compiles or communicates inside the model; the next common batch trains."""
+    import torch.distributed as dist
+
+    sp = autosp.compile(build("llama"), plan="ulysses")
+    out: dict[str, Any] = {}
+    ids, labels = _batch(0, 2, 32, False)
+    out["first"] = _loss(sp, "llama", ids, labels).item()
+    mine = 32 + 8 * dist.get_rank()
+    ids, labels = _batch(1, 2, mine, False)
+    try:
+        _loss(sp, "llama", ids, labels)
+        out["error"] = ""
+    except AutospError as e:
+        out["error"] = str(e)
+    ids, labels = _batch(2, 2, 48, False)
+    out["after"] = _loss(sp, "llama", ids, labels).item()
+    return out

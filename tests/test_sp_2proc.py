@@ -225,6 +225,14 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     assert "scaled_dot_product_attention" in msg, msg
 
 
+def test_ranks_of_an_sp_group_passing_different_batches_are_refused(pool):
+    res = run_ok(pool, "batches_differ_across_ranks")
+    for r in res:       # every rank raises (none waits in a collective), and the next batch trains
+        assert "passed different batches (rank 0: 2 x 32, rank 1: 2 x 40 tokens)" in r["error"], r
+        assert "split the loader over the data-parallel dimension only" in r["error"], r
+        assert r["first"] > 0 and r["after"] > 0, r
+
+
 def test_registered_torch_compile_backend(pool):
     for r in run_ok(pool, "backend_compare"):
         assert r["loss_err"] <= LOSS_TOL and r["grad_err"] <= GRAD_TOL, r

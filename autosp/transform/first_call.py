@@ -106,3 +106,20 @@ def check_deepspeed_groups(group: dist.ProcessGroup) -> None:
     raise AutospError(f"DeepSpeed has its own sequence-parallel group ({same}); leave sequence_parallel_size and "
                       "data_parallel_size out of the DeepSpeed config: autosp splits the sequence, and DeepSpeed "
                       "must reduce gradients over every rank")
+
+
+def check_same_batch(group: dist.ProcessGroup, named: dict[str, Any], seq_len: int) -> None:
+    """Every rank of an SP group passes the same batch: a rank with another shape would plan and
+    compile other graphs, and its collectives would pair with another length's (a hang, or wrong
+    numbers). Checked every step, one all-gather of two integers, before anything is compiled."""
+    ids = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+    device = ids.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor([ids.shape[0], seq_len], dtype=torch.long, device=device)
+    every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.long, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    shapes = [tuple(every[i:i + 2].tolist()) for i in range(0, every.numel(), 2)]
+    if len(set(shapes)) > 1:
+        seen = ", ".join(f"rank {r}: {b} x {s}" for r, (b, s) in enumerate(shapes))
+        raise AutospError(f"the ranks of an SP group passed different batches ({seen} tokens); every rank of an "
+                          "SP group must pass the same batch: give each SP group one data shard (split the "
+                          "loader over the data-parallel dimension only)")

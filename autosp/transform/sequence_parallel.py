@@ -27,7 +27,8 @@ from autosp.strategies import AUTO, SPMesh, required_layout, resolve
 from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
-from autosp.transform.first_call import check_deepspeed_groups, check_first_call, refuse_partitioned_parameters
+from autosp.transform.first_call import (check_deepspeed_groups, check_first_call, check_same_batch,
+                                        refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.zero.grad_reducer import GradReducer
@@ -204,6 +205,8 @@ class SequenceParallel(nn.Module):
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
+        if self.sp_degree > 1:
+            check_same_batch(self.group, named, seq_len)
         if cu_seqlens is not None:
             self._positions_from(cu_seqlens, named, seq_len)
         if self.plan_provider is not None:
