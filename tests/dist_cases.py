@@ -1078,7 +1078,8 @@ def varying_lengths(lengths: tuple[int, ...] = (64, 100, 200, 64, 300, 96), plan
 
 
 def written_attention_memory(kinds: tuple[str, ...] = ("handwritten", "gemma2", "bloom"), seq_len: int = 512,
-                             strategies: tuple[str, ...] = ("ulysses", "allgather_kv")) -> dict[str, Any]:
+                             strategies: tuple[str, ...] = ("ulysses", "allgather_kv"),
+                             cases: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
     """Per model with attention written by hand and per strategy: the probe's step peak (allocator
     view, through AOTAutograd) against the planner's prediction, whose S x S scores the region's
     attention op carries (score_saved / score_live per score entry, from the captured graph)."""
@@ -1091,10 +1092,10 @@ def written_attention_memory(kinds: tuple[str, ...] = ("handwritten", "gemma2", 
 
     world, out = dist.get_world_size(), {}
     ids = torch.randint(0, 128, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    for kind in kinds:
+    for kind in dict.fromkeys(k for k, _ in cases) if cases else kinds:
         graph = capture(build(kind), seq_len=seq_len, dtype="float32")
         attention = graph.first_attention()
-        for strategy in strategies:
+        for strategy in [s for k, s in cases if k == kind] if cases else strategies:
             torch._dynamo.reset()
             sp = autosp.compile(build(kind), plan=strategy, runtime=autosp.Runtime(compiler="aot_eager"))
             _loss(sp, kind, ids, ids).backward()                          # compile outside the probe
@@ -1115,17 +1116,16 @@ def batches_differ_across_ranks() -> dict[str, Any]:
     rank before anything compiles or communicates inside the model; the next common batch trains."""
     import torch.distributed as dist
 
-    sp = autosp.compile(build("llama"), plan="ulysses")
+    sp = autosp.compile(build("reference"), plan="ulysses")
     out: dict[str, Any] = {}
     ids, labels = _batch(0, 2, 32, False)
-    out["first"] = _loss(sp, "llama", ids, labels).item()
-    mine = 32 + 8 * dist.get_rank()
-    ids, labels = _batch(1, 2, mine, False)
+    out["first"] = _loss(sp, "reference", ids, labels).item()
+    ids, labels = _batch(1, 2, 32 + 8 * dist.get_rank(), False)
     try:
-        _loss(sp, "llama", ids, labels)
+        _loss(sp, "reference", ids, labels)
         out["error"] = ""
     except AutospError as e:
         out["error"] = str(e)
-    ids, labels = _batch(2, 2, 48, False)
-    out["after"] = _loss(sp, "llama", ids, labels).item()
+    ids, labels = _batch(2, 2, 32, False)
+    out["after"] = _loss(sp, "reference", ids, labels).item()
     return out

@@ -189,7 +189,8 @@ def test_attention_written_by_hand_is_planned_by_the_default_call(pool):
 def test_attention_written_by_hand_memory_is_predicted(pool):
     """The region's S x S scores are in the planner's memory model, per rank as the strategy holds
     them, and the step peak it predicts is the probe's (through AOTAutograd, 512 tokens)."""
-    m = run_ok(pool, "written_attention_memory", kinds=("gemma2", "bloom"), strategies=("ulysses", "ring"))[0]
+    m = run_ok(pool, "written_attention_memory", cases=(("gemma2", "ring"), ("bloom", "ulysses")))[0]
+    assert set(m) == {"gemma2/ring", "bloom/ulysses"}, m
     for case, v in m.items():
         kind, strategy = case.split("/")
         assert v["written"] and v["strategies"] == [strategy] * 2, (case, v)
