@@ -84,8 +84,10 @@ class _HandWrittenBlock(torch.nn.Module):
     """Attention as many training scripts write it (nanoGPT): a causal mask by masked_fill."""
 
     def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False, einsum: bool = False,
-                 tril: bool = False):
+                 tril: bool = False, learned: bool = False):
         super().__init__()
+        # a learned per-head bias on the scores: refused (its gradient is not made whole yet)
+        self.head_bias = torch.nn.Parameter(torch.linspace(-1, 1, heads).view(1, heads, 1, 1)) if learned else None
         self.tril = tril                 # scores cut by position inside the attention (tril): Ulysses only
         self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
         self.einsum = einsum             # scores by einsum: not a matmul autosp follows
@@ -104,6 +106,8 @@ class _HandWrittenBlock(torch.nn.Module):
         att = att.masked_fill(self.causal[:, :, :t, :t] == 0, float("-inf"))
         if self.tril:
             att = att.tril()
+        if self.head_bias is not None:
+            att = att + self.head_bias
         y = torch.softmax(att, dim=-1) @ v
         return x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 

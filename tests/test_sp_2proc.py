@@ -217,6 +217,9 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     msg = run_ok(pool, "expect_error", kind="handwritten_tril", strategy="ring")[0]
     assert "reads token positions inside it (tril at" in msg and "use 'ulysses'" in msg, msg
     assert "allgather_kv" not in msg, msg
+    # a learned bias on the scores: its gradient is not made whole yet, so it is refused, never run wrong
+    msg = run_ok(pool, "expect_error", kind="handwritten_learned", strategy="ulysses")[0]
+    assert "adds a learned tensor to its scores" in msg and "head_bias" in msg, msg
     # a score function that mixes heads: no strategy splits it safely; the op and line are named
     msg = run_ok(pool, "expect_error", kind="handwritten_mixing", strategy="ulysses")[0]
     assert "written by hand" in msg and "(mean at" in msg and "dist_cases.py" in msg, msg

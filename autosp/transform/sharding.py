@@ -469,6 +469,11 @@ class Sharder:
             if a in self.local_sym:
                 raise AutospError(f"the attention written by hand at {info.where} reads {a.name}, a size of this "
                                   "rank's tokens; read sizes off q, k or v inside the attention")
+            if getattr(_val(a), "requires_grad", False):      # its gradient is not yet made whole: refused
+                name = a.args[0].name if a.target in (sum_grad, share_grad) else a.name
+                raise AutospError(f"the attention written by hand at {info.where} adds a learned tensor to its "
+                                  f"scores ({name}); autosp does not yet shard its gradient: make it from the "
+                                  "inputs (no parameter), or train this model without SP")
         return (extras[0] if extras else None), False, info.dropout
 
     def _issue_where_made(self, a: fx.Node, early: tuple[Any, dict[str, Any]], runtime: dict[str, Any]) -> fx.Node:
