@@ -44,11 +44,9 @@ class RegionInfo:
     """What a strategy's runtime needs to know of one region (kept on its graph module)."""
 
     where: str                                   # the model's line of the softmax
-    ops: list[str]                               # the region's ops, for messages
     extras: list[Atoms | None]                   # per extra input, its atoms (None: not a tensor)
     positional: list[str] = field(default_factory=list)   # ops that read positions (tril, arange, ...)
     dropout: float = 0.0                         # the largest dropout probability inside
-    atom_sizes: dict[str, int] = field(default_factory=dict)   # at capture (heads, head_dim)
     unsplit: str = ""            # why its softmax cannot be split over key blocks ("": it can)
     score_key: str = ""          # its score function for ring attention (strategies/ring_region.py)
 
@@ -221,10 +219,9 @@ def extract_regions(gm: fx.GraphModule) -> int:
         scores = _scores_of(sub, env[f.softmax].args[0].name)
         unsplit = _unsplit(f, labels, extras, scores)
         module.autosp_region = RegionInfo(       # type: ignore[assignment]
-            where=source_line(f.softmax), ops=sorted({op_name(n) for n in f.nodes}),
-            extras=atoms, positional=labels.positional,
+            where=source_line(f.softmax), extras=atoms, positional=labels.positional,
             dropout=max((_dropout(n) for n in f.nodes if op_name(n) == "dropout"), default=0.0),
-            atom_sizes={k: v for k, v in labels.size_of.items() if isinstance(v, int)}, unsplit=unsplit,
+            unsplit=unsplit,
             score_key="" if unsplit else register_scores(scores, atoms))
         attr = f"autosp_region_{i}"
         gm.add_submodule(attr, module)
