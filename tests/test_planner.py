@@ -299,8 +299,6 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
     assert big.zero_shard == 0
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, graph=large, zero_shard=8, **kw)
-    with pytest.raises(AutospError, match="full checkpointing is not applied yet"):
-        plan(None, graph=small, checkpoints=("full",), **kw)
 
 
 def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behind_layers():
@@ -332,15 +330,16 @@ def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behi
 
 @pytest.mark.parametrize("model,world", [("llama3-8b", 8), ("llama3-70b", 64)])
 def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, world):
-    """max_seq_len searched a space with full checkpointing, which ZeRO 3 does not apply: it answered
-    911,408 tokens for Llama-3-8B on 8 H100s and then failed to plan that length. It searches what
-    ``plan`` searches, so the length it finds comes with its plan, and one step longer is refused."""
+    """max_seq_len once searched a space with full checkpointing that ZeRO 3 did not apply, and then
+    failed to plan the length it found. ZeRO 3 now applies full checkpointing (its gathers are
+    recomputed with the layer): the length found comes with its plan, which checkpoints fully,
+    and one step longer is refused."""
     from autosp.planner.search import max_seq_len
 
     g = capture(model, seq_len=4096)
     kw = dict(graph=g, world_size=world, profile="h100-sxm", zero_stage=3, devices_per_node=8)
     tokens, p = max_seq_len(None, **kw)
-    assert p.seq_len == tokens > 0 and {layer.choice.checkpoint for layer in p.layers} <= {"none", "selective"}
+    assert p.seq_len == tokens > 0 and {layer.choice.checkpoint for layer in p.layers} == {"full"}
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, seq_len=tokens + 2 * world, **kw)
 

@@ -621,6 +621,32 @@ def test_zero_3_gathers_each_block_inside_the_graph_and_holds_one_at_a_time(pool
         assert abs(c["peak"] / r["predicted_step_peak"] - 1) < 0.10, (c["peak"], r["predicted_step_peak"])
 
 
+def test_zero_3_with_full_checkpointing_gathers_each_block_again_for_its_recompute(pool):
+    """ZeRO 3 + full checkpointing through AOTAutograd and Inductor (once refused: the DTensor
+    parameters' device mesh was saved for the recomputed backward). Each block is gathered once in
+    the forward and once in the backward, where its forward is recomputed before its backward."""
+    res = run_ok(pool, "zero3_in_graph", compilers=("aot_eager", "inductor"), checkpoint="full", steps=2,
+                 timeout=600)
+    for r in res:
+        block, params = r["block_bytes"], r["param_bytes"]
+        for compiler in ("aot_eager", "inductor"):
+            c = r[compiler]
+            assert c["loss_err"] < 1e-5 and c["grad_err"] < 1e-4, (compiler, c)
+            rep = c["report"]
+            assert rep["compiler"] == compiler and rep["zero_stage"] == 3
+            assert [a["checkpoint"] for a in rep["attention"]] == ["full"] * 4, rep["attention"]
+            calls = {k: v["calls"] for k, v in rep["collectives"].items()}
+            # q, k, v and the output's all-to-alls: forward, recomputed forward, backward (4 blocks)
+            assert calls["all_to_all"] == 4 * 4 * 3, calls
+            assert calls["param_all_gather"] == 6 + 5 and calls["grad_reduce_scatter"] == 6, calls
+            assert c["dtensors"] and c["keys_plain"]
+            assert c["peak"] < params / 2 + 3.5 * block, (c["peak"], params, block)
+        # the block's gather (G, g), its recomputed forward and its backward (8 all-to-alls), its reduction
+        fwd, bwd = "".join(r["aot_eager"]["events"]).split("|")
+        assert fwd == "GgG" + "g" + "G" + "aaaagG" * 3 + "aaaag", fwd
+        assert bwd == "GgR" + ("Gg" + "a" * 8 + "rR") * 4 + "rRr", bwd
+
+
 def test_batches_whose_length_changes_every_step_are_planned_per_bucket_and_stay_exact(pool):
     """Real data changes length every step: each batch is planned at its bucket (its length rounded
     up to a power of two) the first time a batch falls there, and a bucket whose plan decides

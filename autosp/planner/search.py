@@ -164,7 +164,6 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     if limit == float("inf"):
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
     budget = _budget(limit, memory_margin)
-    checkpoints = _applicable(checkpoints, zero_stage)
     if zero_shard is None:
         zero_shard = 0
         shards = [0, dpn] if zero_stage == 3 and world_size > dpn and world_size % dpn == 0 else [0]
@@ -269,22 +268,10 @@ def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _applicable(checkpoints: tuple[str, ...], zero_stage: int) -> tuple[str, ...]:
-    """The checkpointing modes the runtime applies with this ZeRO stage (ZeRO 3: not yet full)."""
-    if zero_stage != 3:
-        return checkpoints
-    kept = tuple(k for k in checkpoints if k != "full")
-    if not kept:
-        raise AutospError("ZeRO 3 with full checkpointing is not applied yet (autosp.compile refuses it); "
-                          "allow 'none' or 'selective' checkpointing, or plan zero_stage=2")
-    return kept
-
-
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
           limit: float) -> bool:
     """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len,
-                                checkpoints=_applicable(CHECKPOINTS, zero_stage))
+    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len)
     return bool(cands) and solve(cands, limit) is not None
 
 

@@ -88,11 +88,6 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
             raise AutospError(f"zero={zero_stage} shards parameters over a device mesh; pass mesh= "
                               "(init_device_mesh(..., mesh_dim_names=('dp', 'sp'))) instead of a process group")
-        modes = decisions.per_layer("checkpoint")
-        if zero_stage == 3 and compiler != "eager" and "full" in ([modes] if isinstance(modes, str) else modes):
-            raise AutospError(f"zero=3 with checkpoint='full' through {compiler} is not supported yet (AOTAutograd "
-                              "cannot recompute a block's parameter gather inside a fully checkpointed layer); use "
-                              "checkpoint='selective', zero=2, or runtime=autosp.Runtime(compiler='eager')")
         param_groups = shard_parameters(model, the_mesh, zero_stage, _shard_ranks(zero_shard))
     elif zero_shard != "mesh":
         raise AutospError(f"Zero(shard={zero_shard!r}) shards ZeRO 3's parameters by node (HSDP); it needs stage=3")

@@ -31,6 +31,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
                                         refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
+from autosp.transform.zero.gather import refresh_shards
 from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
 from autosp.transform.report import AttentionRow, SPReport
@@ -211,6 +212,8 @@ class SequenceParallel(nn.Module):
             self._positions_from(cu_seqlens, named, seq_len)
         if self.plan_provider is not None:
             self._plan_now(named, seq_len)
+        if self.zero_stage == 3:
+            refresh_shards(self.module)
         if self.plan is not None and self.plan_provider is None:
             self.plan.check(seq_len=seq_len)
         padded_len = -(-seq_len // self.pad_multiple) * self.pad_multiple

@@ -199,9 +199,63 @@ def _reader(name: str, rows: int, group_name: str) -> property:
     def read(module: nn.Module) -> Any:
         param = module._parameters[name]
         if torch.compiler.is_compiling():          # inside autosp's graph: gather it there
-            return gather_shard(param.to_local(), rows, group_name)
+            return gather_shard(module._autosp_shards[name], rows, group_name)
         return param                               # outside: the DTensor shard, no collective
     return property(read)
+
+
+def _plain_shard(param: nn.Parameter) -> nn.Parameter:
+    """The graph's view of a DTensor parameter: its local shard as a plain Parameter (same storage, so
+    the optimizer's in-place updates of the DTensor are what the next step reads).
+
+    Why not ``param.to_local()`` in the graph: where a layer is fully recomputed, AOTAutograd then
+    saves the DTensor's device mesh for the backward among the tensors, and the step fails. A plain
+    leaf keeps every DTensor out of the graph; its gradient reaches the parameter by a hook
+    (:func:`_to_parameter_grad`)."""
+    # a Parameter, so the graph's gradient convention treats it as one (a plain input requiring grad
+    # would be an activation, its gradient summed over the SP group)
+    leaf = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
+    if param.requires_grad:
+        leaf.register_post_accumulate_grad_hook(_to_parameter_grad(param))
+    return leaf
+
+
+def _to_parameter_grad(param: nn.Parameter) -> Any:
+    """Moves the shard's accumulated gradient into ``param.grad`` (a DTensor sharded as ``param``),
+    adding to one already there: ``zero_grad()`` and accumulation over micro-batches act on the
+    parameter, as without ZeRO 3."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(leaf: Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        if param.grad is None:
+            param.grad = DTensor.from_local(g, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
+        else:
+            param.grad.to_local().add_(g)
+    return hook
+
+
+def _shared_leaf(param: nn.Parameter, leaves: dict[int, Tensor]) -> Tensor:
+    """``param``'s plain shard, one per parameter (a tied parameter read by two modules has one)."""
+    if id(param) not in leaves:
+        leaves[id(param)] = _plain_shard(param)
+    return leaves[id(param)]
+
+
+def refresh_shards(model: nn.Module) -> None:
+    """Re-derive the plain shards of parameters whose local storage was replaced since (``.to()``,
+    ``param.data = ...``); cheap, so :class:`SequenceParallel` calls it at every step."""
+    leaves: dict[int, Tensor] = {}
+    for module in model.modules():
+        shards = module.__dict__.get("_autosp_shards")
+        for n, leaf in (shards or {}).items():
+            param = module._parameters[n]
+            local = param._local_tensor
+            if leaf.data_ptr() != local.data_ptr() or leaf.dtype != local.dtype or leaf.shape != local.shape:
+                shards[n] = _shared_leaf(param, leaves)
+            else:
+                leaves.setdefault(id(param), leaf)
 
 
 def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
@@ -220,6 +274,7 @@ def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
         placements = [Shard(0)]
         group_name = device_mesh.get_group().group_name
     sharded: dict[int, nn.Parameter] = {}
+    leaves: dict[int, Tensor] = {}         # tied parameters share one plain shard
     for path, module in model.named_modules():
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
@@ -235,6 +290,7 @@ def shard_in_graph(model: nn.Module, device_mesh: Any) -> int:
                                               requires_grad=p.requires_grad)
             module._parameters[n] = sharded[id(p)]
             readers[n] = _reader(n, p.shape[0], group_name)
+        module._autosp_shards = {n: _shared_leaf(module._parameters[n], leaves) for n in names}
         cls = type(module)
         module.__class__ = type(f"Sharded{cls.__name__}", (cls,), {**readers, "_autosp_sharded_from": cls})
     return len(sharded)
