@@ -76,7 +76,7 @@ class AutoPlanner:
     def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
                  memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
                  overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8),
-                 zero_stage: int | None = None):
+                 zero_stage: int | None = None, offloads: tuple[bool, ...] = (False,)):
         self.profile = profile
         self.cache = cache
         self.memory_limit = memory_limit        # bytes per device; None: the device's
@@ -87,6 +87,7 @@ class AutoPlanner:
         self.fallback = fallback      # on a planning failure: warn and let the caller use its default
         self.cache_path: str | None = None
         self.zero_stage = zero_stage            # what the runtime applies: its memory is planned for
+        self.offloads = offloads                # whether layers may keep saved tensors in host memory
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
                  documents: tuple[int, ...] = ()) -> Any:
@@ -134,7 +135,8 @@ class AutoPlanner:
         # devices per node: the launch's (torchrun sets LOCAL_WORLD_SIZE), else the profile's
         dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
         modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks)) + \
-            "-l" + "-".join(map(str, self.loss_chunks))
+            "-l" + "-".join(map(str, self.loss_chunks)) + ("-o" + "-".join(map(str, map(int, self.offloads)))
+                                                           if self.offloads != (False,) else "")
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
                f"m{int(limit) >> 20}-z{self.zero_stage}-{modes}{docs}{f'-n{dpn}' if dpn else ''}"
@@ -146,7 +148,7 @@ class AutoPlanner:
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
                  devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
-                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0)
+                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0, offloads=self.offloads)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -103,6 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
     common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
                   profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype,
+                  offloads=(False,) if args.no_offload else (False, True),
                   **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
         from autosp.planner.search import max_seq_len
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ZeRO 3 gathers), to compare with the overlapped plan")
     p.add_argument("--documents", default=None,
                    help="lengths of the documents packed into each sequence, comma-separated (sum = --seq-len)")
+    p.add_argument("--no-offload", action="store_true",
+                   help="keep every layer's saved tensors on the device (by default the planner may offload them "
+                        "to host memory where the profile has it)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("explain", help="run one SP training step on local CPU processes and show what autosp did")

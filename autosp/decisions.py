@@ -1,7 +1,7 @@
 """The decisions a plan makes, as frozen typed values: the contract from planner to runtime.
 
     LayerChoice   per class of identical layers: attention strategy, activation checkpointing,
-                  token chunks of the MLP
+                  token chunks of the MLP, offload of what it keeps to host memory
     MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
                   ZeRO 3's sharding group
     Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
@@ -24,8 +24,9 @@ from typing import Any, Sequence
 from autosp.errors import AutospError
 
 CHECKPOINTS = ("none", "selective", "full")    # activation checkpointing per layer
-MLP_CHUNKS = (1, 8)          # token chunks of a layer's MLP the planner chooses between (1: untiled)
-LOSS_CHUNKS = (1, 8)         # ... and of the LM head and loss
+MLP_CHUNKS = (1, 8, 32)          # token chunks of a layer's MLP the planner chooses between (1: untiled)
+LOSS_CHUNKS = (1, 8, 64, 256)         # ... and of the LM head and loss
+OFFLOADS = (False, True)     # whether a layer class keeps its saved tensors in host memory
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 
@@ -41,11 +42,14 @@ class LayerChoice:
     strategy: str = "auto"
     checkpoint: str = "none"
     mlp_chunks: int = 1
+    offload: bool = False        # what the layer keeps for its backward waits in host memory
 
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINTS:
             raise AutospError(f"unknown checkpointing '{self.checkpoint}'; use one of {', '.join(CHECKPOINTS)}")
         _positive("mlp_chunks", self.mlp_chunks)
+        if not isinstance(self.offload, bool):
+            raise AutospError(f"offload must be True or False, got {self.offload!r}")
 
 
 @dataclass(frozen=True)
@@ -79,9 +83,10 @@ class Decisions:
 
     @classmethod
     def of(cls, strategy: str | Sequence[str] = "auto", checkpoint: str | Sequence[str] = "none",
-           mlp_chunks: int | Sequence[int] = 1, mesh: MeshChoice = MeshChoice()) -> "Decisions":
+           mlp_chunks: int | Sequence[int] = 1, mesh: MeshChoice = MeshChoice(),
+           offload: bool | Sequence[bool] = False) -> "Decisions":
         """From per-field values, each one for all layers or a list with one per layer."""
-        cols = {"strategy": strategy, "checkpoint": checkpoint, "mlp_chunks": mlp_chunks}
+        cols = {"strategy": strategy, "checkpoint": checkpoint, "mlp_chunks": mlp_chunks, "offload": offload}
         lists = {k: [v] if isinstance(v, (str, int)) else list(v) for k, v in cols.items()}
         lengths = {len(v) for v in lists.values()} - {1}
         if len(lengths) > 1 or any(len(v) == 0 for v in lists.values()):
@@ -109,3 +114,7 @@ class Decisions:
     @property
     def mlp_chunks(self) -> int | list[int]:
         return self.per_layer("mlp_chunks")
+
+    @property
+    def offload(self) -> bool | list[bool]:
+        return self.per_layer("offload")

@@ -28,11 +28,16 @@ class Auto:
         checkpoint: ``"none"``, ``"selective"`` or ``"full"`` activation checkpointing for every layer.
         mlp_chunks: token chunks of every layer's MLP (1: untiled).
         loss_chunks: token chunks of the LM head and loss (1: untiled).
+        offload: whether every layer's saved tensors wait for the backward in host memory
+            (``None``: the planner decides). Default ``False`` at the first call: the copies' CUDA
+            path has not run on a GPU yet (``bench/gpu_check.py --only offload`` checks it);
+            ``autosp plan`` plans it.
     """
 
     checkpoint: str | None = None
     mlp_chunks: int | None = None
     loss_chunks: int | None = None
+    offload: bool | None = False
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.checkpoint not in CHECKPOINTS:
@@ -41,6 +46,8 @@ class Auto:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
                 raise AutospError(f"{name} must be a positive integer (1 = untiled) or None, got {k!r}")
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise AutospError(f"offload must be True, False or None (the planner decides), got {self.offload!r}")
 
     @property
     def checkpoints(self) -> tuple[str, ...]:
@@ -54,6 +61,10 @@ class Auto:
     @property
     def loss_chunk_choices(self) -> tuple[int, ...]:
         return LOSS_CHUNKS if self.loss_chunks is None else (self.loss_chunks,)
+
+    @property
+    def offload_choices(self) -> tuple[bool, ...]:
+        return (False, True) if self.offload is None else (self.offload,)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,11 @@ def _random_instance(rng: random.Random) -> tuple[list[Candidate], float]:
         c = Candidate(key=("mesh", g), base_time_s=rng.uniform(0.1, 2), base_mem_bytes=rng.uniform(1e9, 2e10))
         for cls in range(rng.randint(1, 3)):
             # with the per-(class, phase) constraints of a layer's own backward (holding its recompute)
+            # some options offloaded: host memory of their own, under the host limit
             c.options[f"class{cls}"] = [Option(key=("opt", j), time_s=rng.uniform(0.01, 3),
                                                mem_bytes=rng.uniform(1e8, 3e10),
-                                               own_bytes={"mlp": rng.uniform(0, 1e10), "rest": rng.uniform(0, 1e10)})
+                                               own_bytes={"mlp": rng.uniform(0, 1e10), "rest": rng.uniform(0, 1e10)},
+                                               host_bytes=rng.choice([0.0, rng.uniform(1e9, 4e10)]))
                                         for j in range(rng.randint(1, 5))]
             for phase in ("mlp", "rest"):
                 c.phase_mem_bytes[(f"class{cls}", phase)] = rng.uniform(1e9, 2e10)
@@ -31,14 +33,24 @@ def _random_instance(rng: random.Random) -> tuple[list[Candidate], float]:
 
 @pytest.mark.parametrize("seed", range(24))
 def test_cp_sat_matches_brute_force(seed):
+    """The optimum and the runner-ups (solved per mesh, merged) are brute force's, in its order."""
+    from autosp.planner.ilp import prune, solve_k_best
+
     cands, limit = _random_instance(random.Random(seed))
-    sol = solve(cands, limit)
-    brute = enumerate_all(cands, limit)
+    host = 5e10
+    sol = solve(cands, limit, host_limit=host)
+    brute = enumerate_all(cands, limit, host_limit=host)
     if not brute:
         assert sol is None
         return
     best = min(integer_objective(cands, b) for b in brute)
     assert sol is not None and integer_objective(cands, sol) == best
+    # runner-ups: brute force's order over the options no other option dominates (an option slower
+    # and larger on every count than another of its class is never worth listing)
+    ranked = solve_k_best(cands, limit, 5, host_limit=host)
+    undominated = enumerate_all([prune(g) for g in cands], limit, host_limit=host)
+    assert [integer_objective(cands, r) for r in ranked] == \
+        sorted(integer_objective(cands, b) for b in undominated)[:5]
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +211,7 @@ def test_a_tight_memory_limit_makes_the_ilp_tile_the_mlps_where_that_is_cheapest
     tiled = plan(None, **kw)
     untiled = plan(None, **kw, mlp_chunks=(1,))
     assert all(layer.choice.mlp_chunks == 1 for layer in free.layers)              # no limit: nothing to save
-    assert all(layer.choice.mlp_chunks == 8 for layer in tiled.layers), tiled.layers
+    assert all(layer.choice.mlp_chunks > 1 for layer in tiled.layers), tiled.layers
     assert tiled.predicted["peak_bytes"] <= 250 * 2**20 < free.predicted["peak_bytes"]
     assert untiled.predicted["total_s"] > tiled.predicted["total_s"]
     # Per layer, tiling drops what the compiled partitioner saves of the MLP: gate, up and their
@@ -278,9 +290,17 @@ def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_la
     capture: 2 of 32 layers traced). The first layer's backward holds no later layer's
     activations, so the untraced layers must not count there (they once made nothing fit)."""
     g = capture("llama3-8b", seq_len=4096)
-    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
+    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3, offloads=(False,))
     assert p.sp_degree == 8 and p.predicted["peak_bytes"] <= 80e9, p.predicted
     assert {layer.choice.checkpoint for layer in p.layers} == {"selective"}, p.layers
+    # Offload allowed, keeping everything (no recompute) on the host costs less: each layer's 2.3 GB
+    # copy (46 ms at 50 GB/s) hides behind its 135 ms forward and its backward.
+    off = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
+    assert {(layer.choice.checkpoint, layer.choice.offload) for layer in off.layers} == {("none", True)}, off.layers
+    assert off.predicted["total_s"] < p.predicted["total_s"] and off.predicted["exposed_copy_s"] < 1e-3
+    # on the host: each of the 32 layers' saved bytes (2.28 GB) and what its strategy keeps beside them
+    # (all-gather-KV: about the gathered K and V, 8 KV heads x 128 x 131072 tokens x 2 bytes each)
+    assert off.predicted["host_bytes"] == pytest.approx(32 * (2.2839296e9 + 2 * 8 * 128 * 131072 * 2), rel=0.03)
 
 
 def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():

@@ -41,10 +41,10 @@ def test_planner_chooses_among_registered_strategies(toy, tiny):
     p = autosp.plan(None, graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,),
                     strategies=(toy,))
     assert [layer.choice.strategy for layer in p.layers] == [toy]
-    # Runner-ups come from the solver (no-good cuts): other layouts, checkpointing and tiling, each once.
+    # Runner-ups come from the solver (no-good cuts): other layouts, checkpointing, tiling and offload, each once.
     assert p.solver["solves"] == len(p.alternatives) + 1 >= 2
     assert all(c["strategy"] == toy for a in p.alternatives for c in a["layers"].values())
-    seen = {(a["layout"], a["loss_chunks"]) + tuple((c["strategy"], c["checkpoint"], c["mlp_chunks"])
+    seen = {(a["layout"], a["loss_chunks"]) + tuple((c["strategy"], c["checkpoint"], c["mlp_chunks"], c["offload"])
                                                     for c in a["layers"].values())
             for a in [{"layout": p.layout, "loss_chunks": p.loss_chunks,
                        "layers": {x.fingerprint: asdict(x.choice) for x in p.layers}}] + p.alternatives}

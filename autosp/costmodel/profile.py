@@ -77,6 +77,20 @@ class HardwareProfile:
     def source(self) -> dict:
         return self.data.get("source", {})
 
+    # -------------------------------------------------------------- host memory (offload)
+    @property
+    def host_memory_bytes(self) -> float:
+        """Host memory per node, shared by its devices (0: not in the profile, nothing offloads)."""
+        return float(self.data.get("host", {}).get("memory_bytes_per_node", 0.0))
+
+    def host_copy_time(self, nbytes: float) -> float:
+        """One copy of ``nbytes`` between a device and pinned host memory (either way)."""
+        host = self.data.get("host", {})
+        if not host.get("link_bytes_per_s"):
+            raise AutospError(f"profile {self.path} has no 'host' section: offload cannot be costed; measure it "
+                              "(autosp profile on the GPU) or add the device-host link's bandwidth by hand")
+        return float(host.get("latency_s", 0.0)) + nbytes / float(host["link_bytes_per_s"])
+
     # -------------------------------------------------------------- compute
     def _table(self, key: str, points: list) -> LogLogTable:
         if key not in self._tables:

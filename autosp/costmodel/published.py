@@ -35,9 +35,12 @@ import os
 from autosp.costmodel.profile import BYTES_MOVED, SCHEMA
 
 GPUS = {
-    "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=80e9, nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM"),
-    "h200-sxm": dict(peak=989e12, hbm=4.8e12, mem=141e9, nvlink=370e9, nvls=480e9, label="NVIDIA H200 SXM"),
-    "a100-sxm": dict(peak=312e12, hbm=2.0e12, mem=80e9, nvlink=230e9, nvls=230e9, label="NVIDIA A100 SXM"),
+    "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=80e9, nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM",
+                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H100"),
+    "h200-sxm": dict(peak=989e12, hbm=4.8e12, mem=141e9, nvlink=370e9, nvls=480e9, label="NVIDIA H200 SXM",
+                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H200"),
+    "a100-sxm": dict(peak=312e12, hbm=2.0e12, mem=80e9, nvlink=230e9, nvls=230e9, label="NVIDIA A100 SXM",
+                     pcie=25e9, pcie_label="PCIe Gen4 x16", host_mem=2e12, system="DGX A100 (80 GB GPUs)"),
 }
 IB = 48e9
 EFF = dict(matmul=0.75, attention=0.55, attention_backward=0.45, memory=0.80)
@@ -96,7 +99,16 @@ def build(name: str) -> dict:
         "compute": compute,
         "collectives": coll,
         **({"concurrency": HOPPER_CONCURRENCY} if name != "a100-sxm" else {}),
+        "host": host_section(g),
     }
+
+
+def host_section(g: dict) -> dict:
+    """Device <-> host copies (pinned memory, each way, per GPU) and the node's host memory."""
+    return {"link_bytes_per_s": g["pcie"], "memory_bytes_per_node": g["host_mem"], "latency_s": LAT_INTRA,
+            "how": f"published: {g['pcie_label']} per GPU, {g['pcie_label'].split()[1]} pinned copies measured at "
+                   f"about {g['pcie'] / 1e9:.0f} GB/s each way (CUDA bandwidthTest class); {g['system']}: "
+                   f"{g['host_mem'] / 1e12:.0f} TB of host memory per node"}
 
 
 def main() -> None:

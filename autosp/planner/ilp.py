@@ -5,9 +5,9 @@ Sets
                Ulysses x ring shape of the hybrid option)
   C            layer classes (structurally identical layers share variables, so the
                model's depth never enlarges the ILP)
-  O_{g,c}      options for class c under g: (attention strategy s, checkpointing k),
-               k in {none, selective, full}; strategies whose head/topology
-               constraints fail under g are left out
+  O_{g,c}      options for class c under g: (attention strategy s, checkpointing k, MLP chunks,
+               offload f), k in {none, selective, full}, f in {0, 1}; strategies whose
+               head/topology constraints fail under g are left out
 
 Variables
   x_g      in {0,1}   mesh g is chosen
@@ -21,6 +21,7 @@ Constraints
   sum_g P_{g,c,f} x_g + sum_{g,c',o} M_{g,c',o} y_{g,c',o} + sum_{g,o in O_{g,c}} E_{g,c,o,f} y_{g,c,o} <= M_max
                                         for all c, f (... and during the backward of a layer of
                                                      class c, in its phase f: its MLP, the rest)
+  sum_{g,c,o} H_{g,c,o} y_{g,c,o} <= H_max           (host memory per rank: what offloaded layers keep)
 
 Objective
   minimise  sum_g T0_g x_g + sum_{g,c,o} T_{g,c,o} y_{g,c,o}
@@ -40,13 +41,18 @@ E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its who
 recompute under checkpointing, one chunk of a tiled MLP, its strategy's workspace); the
 phases f include those of the class's first layer, where E also removes the other layers' share
 of M — see :func:`autosp.costmodel.memory.peak_terms`.
+An offloaded option (f = 1) keeps its layers' saved bytes in host memory: H = count_c x kept, and
+on the device M = kept (the one layer whose copy is in flight), its own backward phases holding its
+kept bytes again (E + kept); its T adds the copies' exposed time, per layer
+max(0, copy - forward) + max(0, copy - backward), copy = kept / host link bandwidth.
+H_max is the node's host memory shared by its ranks, less the same margin.
 M_max is the memory limit less the planner's margin, M_max = (1 - m) x limit with m = 5% by
 default (:data:`autosp.planner.search.MEMORY_MARGIN`, the memory model's validated tolerance),
 so that a plan predicted to fit still fits where the model is a few percent low.
 Costs come from :mod:`autosp.costmodel.predict`, scaled to integers
 (microseconds, KiB) because CP-SAT is an integer solver.
 
-Runner-ups come from the solver too: after each optimum, a no-good cut
+Runner-ups come from the solver too (per mesh, see :func:`solve_k_best`): after each optimum, a no-good cut
   sum_{l in L*} l <= |L*| - 1     (L* = the chosen x_g and y_{g,c,o})
 excludes exactly that assignment and the model is solved again; the k-th solve
 is the k-th best plan. Nothing enumerates the space (brute force lives in tests).
@@ -68,6 +74,8 @@ class Option:
     sp_exposed_s: float = 0.0  # of it, the layers' own SP collectives (the rest: DP beside them)
     # phase -> bytes that one layer of this option holds during its own backward beyond mem_bytes / count
     own_bytes: dict[str, float] = field(default_factory=dict)
+    host_bytes: float = 0.0    # host memory its layers' offloaded saved tensors take, per rank
+    copy_exposed_s: float = 0.0   # the part of time_s that is exposed device <-> host copying
 
 
 @dataclass
@@ -98,77 +106,114 @@ def _mem_kib(b: float) -> int:
     return int(-(-b // 1024))
 
 
-def solve(cands: list[Candidate], memory_limit: float, time_limit_s: float = 10.0) -> Solution | None:
+def solve(cands: list[Candidate], memory_limit: float, time_limit_s: float = 10.0,
+          host_limit: float = 0.0) -> Solution | None:
     """Optimal plan under the memory limit, or None when nothing fits."""
-    best = solve_k_best(cands, memory_limit, 1, time_limit_s)
+    best = solve_k_best(cands, memory_limit, 1, time_limit_s, host_limit)
     return best[0] if best else None
 
 
 def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
-                 time_limit_s: float = 10.0) -> list[Solution]:
-    """The ``k`` best plans under the memory limit, best first (fewer when fewer fit)."""
-    from ortools.sat.python import cp_model
+                 time_limit_s: float = 10.0, host_limit: float = 0.0) -> list[Solution]:
+    """The ``k`` best plans under the memory limit (and ``host_limit`` bytes of host memory per rank
+    for offloaded layers), best first (fewer when fewer fit).
 
-    m = cp_model.CpModel()
-    x = {g.key: m.NewBoolVar(f"x{i}") for i, g in enumerate(cands)}
-    y: dict[tuple, Any] = {}
-    mem_terms, time_terms = [], []
-    for i, g in enumerate(cands):
-        time_terms.append(_time_us(g.base_time_s) * x[g.key])
-        mem_terms.append(_mem_kib(g.base_mem_bytes) * x[g.key])
+    Exactly one mesh is chosen, so the ILP splits into one model per mesh (x_g = 1): the optimum is
+    the best of their optima, and the next best plan is the next of a merge in which only the model
+    whose plan was taken is solved again, with its no-good cut. Small models solve in milliseconds;
+    one model over every mesh took seconds per re-solve."""
+    import heapq
+
+    models = [_MeshModel(prune(g), memory_limit, host_limit) for g in cands]
+    heap = []
+    for i, mm in enumerate(models):
+        sol = mm.next(time_limit_s)
+        if sol is not None:
+            heap.append((mm.objective, i, sol))
+    heapq.heapify(heap)
+    out: list[Solution] = []
+    while heap and len(out) < k:
+        _, i, sol = heapq.heappop(heap)
+        out.append(sol)
+        nxt = models[i].next(time_limit_s)
+        if nxt is not None:
+            heapq.heappush(heap, (models[i].objective, i, nxt))
+    return out
+
+
+class _MeshModel:
+    """The ILP restricted to one mesh g (x_g = 1), solved again after each of its plans is taken."""
+
+    def __init__(self, g: Candidate, memory_limit: float, host_limit: float):
+        from ortools.sat.python import cp_model
+
+        self.g, self.m, self.y = g, cp_model.CpModel(), {}
+        m, limit = self.m, _mem_kib(memory_limit)
+        time_terms, mem_terms, host_terms = [], [_mem_kib(g.base_mem_bytes)], []
+        phases = {key: [_mem_kib(base)] for key, base in g.phase_mem_bytes.items()}
         for c, opts in g.options.items():
             vs = []
             for j, o in enumerate(opts):
-                v = m.NewBoolVar(f"y{i}_{c}_{j}")
-                y[(g.key, c, o.key)] = (v, o)
+                v = m.NewBoolVar(f"y_{c}_{j}")
+                self.y[(c, o.key)] = (v, o)
                 vs.append(v)
                 time_terms.append(_time_us(o.time_s) * v)
                 mem_terms.append(_mem_kib(o.mem_bytes) * v)
-            m.Add(sum(vs) == x[g.key])
-    m.AddExactlyOne(x.values())
-    m.Add(sum(mem_terms) <= _mem_kib(memory_limit))
-    for terms in _phase_terms(cands, x, y).values():
-        m.Add(sum(terms) <= _mem_kib(memory_limit))
-    m.Minimize(sum(time_terms))
-    out: list[Solution] = []
-    for _ in range(k):
+                if o.host_bytes:
+                    host_terms.append(_mem_kib(o.host_bytes) * v)
+                for (cls, phase), terms in phases.items():
+                    extra = o.own_bytes.get(phase, 0.0) if c == cls else 0.0
+                    terms.append(_mem_kib(o.mem_bytes + extra) * v)
+            m.AddExactlyOne(vs)
+        m.Add(sum(mem_terms) <= limit)
+        if host_terms:
+            m.Add(sum(host_terms) <= _mem_kib(host_limit))
+        for terms in phases.values():
+            m.Add(sum(terms) <= limit)
+        m.Minimize(sum(time_terms))
+        self.objective = 0
+
+    def next(self, time_limit_s: float) -> Solution | None:
+        """This mesh's best plan not yet taken, or None."""
+        from ortools.sat.python import cp_model
+
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = 2
-        status = solver.Solve(m)
+        status = solver.Solve(self.m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            break
-        mesh = next(key for key, v in x.items() if solver.Value(v))
-        g = next(c for c in cands if c.key == mesh)
-        sol = Solution(mesh, {}, g.base_time_s, g.base_mem_bytes,
+            return None
+        g = self.g
+        sol = Solution(g.key, {}, g.base_time_s, g.base_mem_bytes,
                        "optimal" if status == cp_model.OPTIMAL else "feasible")
-        chosen = [x[mesh]]
-        for (gk, c, ok), (v, o) in y.items():
-            if gk == mesh and solver.Value(v):
+        chosen = []
+        self.objective = _time_us(g.base_time_s)
+        for (c, ok), (v, o) in self.y.items():
+            if solver.Value(v):
                 sol.choice[c] = ok
                 sol.time_s += o.time_s
-                sol.mem_bytes += o.mem_bytes
+                self.objective += _time_us(o.time_s)
                 chosen.append(v)
         sol.mem_bytes = peak_bytes(g, sol.choice)
-        out.append(sol)
-        m.Add(sum(chosen) <= len(chosen) - 1)          # no-good cut: never this assignment again
-    return out
+        self.m.Add(sum(chosen) <= len(chosen) - 1)          # no-good cut: never this assignment again
+        return sol
 
 
-def _phase_terms(cands: list[Candidate], x: dict, y: dict) -> dict[tuple, list]:
-    """The left-hand sides of the per-(class, phase) memory constraints, as integer terms (a mesh
-    without that phase adds nothing: its own constraints bound it)."""
-    out: dict[tuple, list] = {}
-    for g in cands:
-        for key, base in g.phase_mem_bytes.items():
-            cls, phase = key
-            terms = out.setdefault(key, [])
-            terms.append(_mem_kib(base) * x[g.key])
-            for c, opts in g.options.items():
-                for o in opts:
-                    extra = o.own_bytes.get(phase, 0.0) if c == cls else 0.0
-                    terms.append(_mem_kib(o.mem_bytes + extra) * y[(g.key, c, o.key)][0])
-    return out
+def _dominates(a: Option, b: Option) -> bool:
+    """``a`` is no slower than ``b`` and holds no more memory in any constraint: b never needs choosing."""
+    return (a.time_s <= b.time_s and a.mem_bytes <= b.mem_bytes and a.host_bytes <= b.host_bytes
+            and a.own_bytes.keys() == b.own_bytes.keys()
+            and all(a.own_bytes[ph] <= b.own_bytes[ph] for ph in a.own_bytes))
+
+
+def prune(g: Candidate) -> Candidate:
+    """g without the options another option of the same class dominates (ties: the first kept): the
+    optimum is unchanged, and the solver's runner-ups are plans not strictly worse on every count."""
+    kept: dict[Hashable, list[Option]] = {}
+    for c, opts in g.options.items():
+        kept[c] = [o for i, o in enumerate(opts)
+                   if not any(_dominates(p, o) and (not _dominates(o, p) or j < i) for j, p in enumerate(opts) if j != i)]
+    return Candidate(g.key, g.base_time_s, g.base_mem_bytes, g.base_exposed_s, kept, g.phase_mem_bytes)
 
 
 def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
@@ -181,8 +226,10 @@ def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
     return max(peaks)
 
 
-def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float) -> bool:
+def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float, host_limit: float = 0.0) -> bool:
     opts = {c: next(o for o in g.options[c] if o.key == k) for c, k in choice.items()}
+    if sum(_mem_kib(o.host_bytes) for o in opts.values() if o.host_bytes) > _mem_kib(host_limit):
+        return False
     shared = [_mem_kib(o.mem_bytes) for o in opts.values()]
     if _mem_kib(g.base_mem_bytes) + sum(shared) > _mem_kib(memory_limit):
         return False
@@ -194,7 +241,8 @@ def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float) -
     return True
 
 
-def enumerate_all(cands: list[Candidate], memory_limit: float | None = None) -> list[Solution]:
+def enumerate_all(cands: list[Candidate], memory_limit: float | None = None,
+                  host_limit: float = 0.0) -> list[Solution]:
     """Every complete assignment with its cost: the brute force the tests check the ILP against
     (exponential in layer classes; the planner never calls it)."""
     out = []
@@ -203,7 +251,7 @@ def enumerate_all(cands: list[Candidate], memory_limit: float | None = None) -> 
         for combo in itertools.product(*(g.options[c] for c in classes)):
             t = g.base_time_s + sum(o.time_s for o in combo)
             choice = {c: o.key for c, o in zip(classes, combo)}
-            if memory_limit is None or _fits(g, choice, memory_limit):
+            if memory_limit is None or _fits(g, choice, memory_limit, host_limit):
                 out.append(Solution(g.key, choice, t, peak_bytes(g, choice), "enumerated"))
     return sorted(out, key=lambda s: s.time_s)
 

@@ -60,6 +60,7 @@ def layer_choices(alternative: dict[str, Any]) -> str:
     loss = f"; loss in {alternative['loss_chunks']} chunks" if alternative.get("loss_chunks", 1) > 1 else ""
     return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}"
                      + (f", MLP in {c['mlp_chunks']} chunks" if c.get("mlp_chunks", 1) > 1 else "")
+                     + (", offloaded" if c.get("offload") else "")
                      for c in alternative["layers"].values()) + loss
 
 
@@ -81,19 +82,24 @@ def plan_table(plan) -> list:  # -> list of rich renderables
                      f"{c.strategy} (Ulysses {layer.ulysses_degree} x ring {layer.ring_degree}), "
                      f"checkpoint {c.checkpoint}, "
                      + (f"MLP in {c.mlp_chunks} token chunks, " if c.mlp_chunks > 1 else "")
+                     + ("saved tensors offloaded to host, " if c.offload else "")
                      + f"overlap {layer.overlap}, exposed comm {layer.exposed_comm_s:.3f} s")
     head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")
     saves = pr.get("saved_by", {})
     if saves:
         head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in saves.items()))
     head.add_section()
+    copies = f", exposed host copies {pr['exposed_copy_s']:.3f}" if pr.get("host_bytes") else ""
     head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
-                              f"{pr['exposed_comm_s']:.3f})")
+                              f"{pr['exposed_comm_s']:.3f}{copies})")
     mem = pr["memory"]
     kept = f", {plan.memory_margin:.0%} kept free" if plan.memory_margin else ""
     head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
                                          f"{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
+    if pr.get("host_bytes"):
+        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded (the node's host memory "
+                                             f"is shared by its {min(plan.world_size, plan.devices_per_node)} ranks)")
     for t in pr.get("largest_live", [])[:4]:
         where = f"layer {t['layer']}" if t["layer"] is not None else "outside the layers"
         op = t["target"].removeprefix("aten.").removesuffix(".default")

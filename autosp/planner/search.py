@@ -18,11 +18,11 @@ from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from autosp.costmodel.live_tensors import largest_live
-from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
-                                     strategy_saved)
+from autosp.costmodel.memory import (FIRST, layer_saved, mlp_saved, model_states, first_layer_own, own_bytes,
+                                     peak_terms, strategy_saved)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
-from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, LayerChoice, MeshChoice
+from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, solve, solve_k_best
@@ -53,9 +53,14 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      strategies: tuple[str, ...] | None = None,
                      documents: tuple[int, ...] = (), overlap: bool = True,
                      mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
-                     loss_chunks: tuple[int, ...] = LOSS_CHUNKS, zero_shard: int = 0) -> tuple[list[Candidate], dict]:
+                     loss_chunks: tuple[int, ...] = LOSS_CHUNKS, zero_shard: int = 0,
+                     offloads: tuple[bool, ...] = OFFLOADS) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options; ``strategies`` restricts the strategy families, ``mlp_chunks``
-    the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled)."""
+    the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled),
+    ``offloads`` whether layers may keep their saved tensors in host memory (only where the profile
+    has host memory to offload into)."""
+    if not prof.host_memory_bytes:
+        offloads = tuple(f for f in offloads if not f) or (False,)
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
@@ -101,7 +106,9 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             # A tiled loss recomputes the head (and its loss) in backward.
             base_time, base_exposed = outside[first.strategy]
             cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard),
-                             base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0), base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
+                             base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0)
+                             + _chunk_overhead(prof, graph.dtype, kl, LOSS_OPS),
+                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
             for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
                 opts = []
@@ -109,26 +116,70 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
                     d_time, d_exposed = outside[st][0] - base_time, outside[st][1] - base_exposed
-                    for k in checkpoints:
-                        for chunks in mlp_chunks if tileable[fp] else (1,):
-                            # A tiled MLP recomputes its forward in backward, unless the layer's
-                            # full recompute does already; it saves none of its intermediates.
-                            again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
-                            ours = strategy_saved(p.attention_saved[fp], k)
-                            mine = own[(fp, k, chunks)]
-                            opts.append(Option(key=LayerChoice(st, k, chunks),
-                                               time_s=share * (layer_time[st] + recompute[k] + again + d_time),
-                                               mem_bytes=lc.count * (kept[(k, chunks)][fp] + ours["kept"]),
+                    for k, chunks, off in itertools.product(checkpoints, mlp_chunks if tileable[fp] else (1,),
+                                                            offloads):
+                        # A tiled MLP recomputes its forward in backward, unless the layer's
+                        # full recompute does already; it saves none of its intermediates.
+                        again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
+                        again += lc.count * _chunk_overhead(prof, graph.dtype, chunks, MLP_OPS) / share
+
+                        ours = strategy_saved(p.attention_saved[fp], k)
+                        mine = own[(fp, k, chunks)]
+                        one = kept[(k, chunks)][fp] + ours["kept"]         # what one layer keeps
+                        own_phases = {"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"] + p.memory["workspace"]}
+                        time_s = share * (layer_time[st] + recompute[k] + again + d_time)
+                        if not off:
+                            opts.append(Option(key=LayerChoice(st, k, chunks), time_s=time_s,
+                                               mem_bytes=lc.count * one,
                                                exposed_s=share * (p.attention_exposed_s + d_exposed),
                                                sp_exposed_s=share * p.attention_exposed_s,
-                                               own_bytes=first_layer_own(
-                                                   {"mlp": mine["mlp"],
-                                                    "rest": mine["rest"] + ours["own"] + p.memory["workspace"]},
-                                                   lc.count, kept[(k, chunks)][fp] + ours["kept"])))
+                                               own_bytes=first_layer_own(own_phases, lc.count, one)))
+                            continue
+                        copy = _copy_exposed(prof, one, p, total_layers, recompute[k] + again)
+                        opts.append(Option(key=LayerChoice(st, k, chunks, offload=True),
+                                           time_s=time_s + lc.count * copy,
+                                           mem_bytes=one,           # the one layer whose copy is in flight
+                                           exposed_s=share * (p.attention_exposed_s + d_exposed),
+                                           sp_exposed_s=share * p.attention_exposed_s,
+                                           own_bytes=_offloaded_own(own_phases, one),
+                                           host_bytes=lc.count * one, copy_exposed_s=lc.count * copy))
                 cand.options[fp] = opts
             cands.append(cand)
             preds[(sp, layout)] = ps
     return cands, preds
+
+
+# kernels a chunk of a tiled region runs (forward, recompute, backward): each chunk beyond the first
+# launches them again, which the FLOP-based times do not see (small chunks run slower per FLOP)
+MLP_OPS = 15
+LOSS_OPS = 10
+
+
+def _chunk_overhead(prof: HardwareProfile, dtype: str, chunks: int, ops: int) -> float:
+    """Seconds that running a region in ``chunks`` token chunks adds: a kernel floor per extra launch."""
+    return (chunks - 1) * ops * prof.matmul_time(1.0, dtype) if chunks > 1 else 0.0
+
+
+def _copy_exposed(prof: HardwareProfile, kept: float, p: Prediction, layers: int, recompute_s: float) -> float:
+    """Exposed seconds of one offloaded layer's two copies: the offload runs beside the forward of
+    the layer and the next, the reload beside the backward of the layer before it (one layer ahead);
+    each copy's issue and wait on the compute stream costs its latency even when it hides."""
+    copy = prof.host_copy_time(kept)
+    latency = prof.host_copy_time(0.0)
+    forward = (p.layer_forward_s + p.attention_fwd_s) / layers
+    backward = (p.layer_compute_s + recompute_s) / layers - forward
+    return max(latency, copy - forward) + max(latency, copy - backward)
+
+
+def _offloaded_own(own: dict[str, float], kept: float) -> dict[str, float]:
+    """An offloaded layer's own phases: its kept bytes back for its backward beside the next one's
+    in flight (the shared term); the class's first layer has none in flight after it."""
+    return {**{ph: v + kept for ph, v in own.items()}, **{ph + FIRST: v for ph, v in own.items()}}
+
+
+def host_budget(prof: HardwareProfile, world: int, dpn: int, margin: float) -> float:
+    """Host memory per rank for offloaded layers: the node's, shared by its ranks, less the margin."""
+    return prof.host_memory_bytes / min(world, dpn) * (1.0 - margin)
 
 
 def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, devices_per_node: int | None = None,
@@ -138,14 +189,15 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
          overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
          loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN,
-         zero_shard: int | None = None) -> Plan:
+         zero_shard: int | None = None, offloads: tuple[bool, ...] = OFFLOADS) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
     The plan's predicted peak stays within ``memory_limit`` x (1 - ``memory_margin``): the margin
     (default 5%, the memory model's tolerance) absorbs the model's error.
 
     ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled),
-    ``loss_chunks`` (of the LM head and loss) and ``strategies`` (strategy families) restrict the space,
+    ``loss_chunks`` (of the LM head and loss), ``offloads`` (whether layers may keep their saved
+    tensors in host memory) and ``strategies`` (strategy families) restrict the space,
     ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
     mask within each that the model builds from restarting position ids).
@@ -175,10 +227,11 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         t0 = time.perf_counter()
         cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
                                         strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
-                                        tuple(loss_chunks), zero_shard=shard)
+                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads))
         t_cost += time.perf_counter() - t0
         t1 = time.perf_counter()
-        ranked = solve_k_best(cands, budget, alternatives + 1) if cands else []
+        host = host_budget(prof, world_size, dpn, memory_margin)
+        ranked = solve_k_best(cands, budget, alternatives + 1, host_limit=host) if cands else []
         t_solve += time.perf_counter() - t1
         if best is None or (ranked and (not best[1] or ranked[0].time_s < best[1][0].time_s)):
             best = (shard, ranked, cands)
@@ -204,6 +257,8 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
     mesh: MeshChoice = sol.mesh
     opts = {fp: {o.key: o for o in os} for fp, os in cand.options.items()}
     exposed = cand.base_exposed_s + sum(opts[fp][key].exposed_s for fp, key in sol.choice.items())
+    copies = sum(opts[fp][key].copy_exposed_s for fp, key in sol.choice.items())
+    host = sum(opts[fp][key].host_bytes for fp, key in sol.choice.items())
     peak = prof.peak_flops(g.dtype)
     flops = g.total_flops(seq_len) / mesh.sp_degree
     # a report (JSON): the decisions as plain fields
@@ -211,7 +266,8 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
             "layers": {fp: {"class": g.layer_classes[fp].module_type, **asdict(choice)}
                        for fp, choice in sol.choice.items()},
             "total_s": sol.time_s, "peak_bytes": sol.mem_bytes, "exposed_comm_s": exposed,
-            "compute_s": sol.time_s - exposed, "mfu": flops / (sol.time_s * peak) if peak else 0.0}
+            "exposed_copy_s": copies, "host_bytes": host,
+            "compute_s": sol.time_s - exposed - copies, "mfu": flops / (sol.time_s * peak) if peak else 0.0}
 
 
 def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Solution], cands: dict, world: int,
@@ -232,6 +288,8 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     saved_by = _what_each_saves(cands, sol)
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,
+                 # offload: host memory per rank its layers' saved tensors take, and the copies' exposed time
+                 "host_bytes": main["host_bytes"], "exposed_copy_s": main["exposed_copy_s"],
                  "memory": memory, "peak_bytes": sol.mem_bytes,
                  "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"],
                  "saved_by": saved_by,
@@ -269,10 +327,10 @@ def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
 
 
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-          limit: float) -> bool:
+          limit: float, margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS) -> bool:
     """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len)
-    return bool(cands) and solve(cands, limit) is not None
+    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, offloads=offloads)
+    return bool(cands) and solve(cands, limit, host_limit=host_budget(prof, world, dpn, margin)) is not None
 
 
 def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
@@ -308,8 +366,8 @@ def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, ze
 
 def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per_node: int | None = None,
                 profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
-                dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 24,
-                memory_margin: float = MEMORY_MARGIN) -> tuple[int, Plan]:
+                dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 26,
+                memory_margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS) -> tuple[int, Plan]:
     """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan."""
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     dpn = devices_per_node or prof.devices_per_node
@@ -319,9 +377,10 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
     with warnings.catch_warnings():             # probes far beyond any answer extrapolate tables
         warnings.simplefilter("ignore")         # sizes are symbolic: no re-capture per probe
         budget = _budget(limit, memory_margin)
-        s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget), step, upper)
+        s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget, memory_margin,
+                                             offloads), step, upper)
     if not s:
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin))
     return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
                    profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
-                   memory_margin=memory_margin)
+                   memory_margin=memory_margin, offloads=offloads)

@@ -23,6 +23,7 @@ from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.transform.attention_region import extract_regions
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
+from autosp.transform.offload import offloading_partitioner
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
 from autosp.transform.tiled_mlp import tile_mlps
@@ -109,6 +110,10 @@ class SPConfig:
         return self.decisions.mlp_chunks
 
     @property
+    def offload(self) -> bool | list[bool]:
+        return self.decisions.offload
+
+    @property
     def layout(self) -> str:
         return self.decisions.mesh.layout or "contiguous"
 
@@ -171,16 +176,45 @@ def check_compiler(name: str) -> str:
     return name
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str) -> Callable:
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str,
+                  partitioner: Callable | None = None) -> Callable:
     """Compile a sharded graph: ``eager`` runs it as is (autograd saves what eager saves);
     ``aot_eager`` traces forward and backward with AOTAutograd (the collectives and attention
     kernels are custom ops with fake kernels and registered autograd); ``inductor`` also fuses
-    and recomputes cheap ops in backward (the min-cut partitioner)."""
+    and recomputes cheap ops in backward (the min-cut partitioner). ``partitioner`` replaces
+    AOTAutograd's (offload: :mod:`autosp.transform.offload`)."""
     if compiler == "eager":
         return gm.forward
     from torch._dynamo.backends.registry import lookup_backend
 
-    return lookup_backend(compiler)(gm, example_inputs)
+    if partitioner is None:
+        return lookup_backend(compiler)(gm, example_inputs)
+    if compiler == "aot_eager":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def nop(g: fx.GraphModule, _: Any) -> Callable:
+            return make_boxed_func(g.forward)
+        return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Partitioner(CustomPartitionerFn):
+        def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            return partitioner(joint, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:        # no cache: the graphs it returns depend on the plan
+            return None
+    with inductor_config.patch(custom_partitioner_fn=Partitioner()):
+        return lookup_backend(compiler)(gm, example_inputs)
+
+
+def _offloaded_layers(config: SPConfig) -> set[int]:
+    flags = config.offload
+    if isinstance(flags, bool):
+        return set(range(len(config.layer_paths))) if flags else set()
+    return {i for i, f in enumerate(flags) if f}
 
 
 def _mode_of(config: SPConfig) -> Callable[[int], str]:
@@ -232,8 +266,17 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         state.reports.append(report)
         if config.checkpoint != "none" and report.attention:
             gm = _checkpointed(gm, config)
+        partitioner = None
+        offloaded = _offloaded_layers(config)
+        if offloaded and report.attention:
+            if config.compiler == "eager":
+                raise AutospError("offload moves what AOTAutograd's partitioner saves to host memory: it needs a "
+                                  "compiled graph; use runtime=autosp.Runtime(compiler='aot_eager' or 'inductor')")
+            partitioner = offloading_partitioner(offloaded, config.layer_paths,
+                                                 lambda k: setattr(report, "offloaded", report.offloaded + k),
+                                                 config.compiler)
         try:
-            compiled = compile_graph(gm, example_inputs, config.compiler)
+            compiled = compile_graph(gm, example_inputs, config.compiler, partitioner)
         except torch._dynamo.exc.RestartAnalysis:
             state.reports.remove(report)      # Dynamo traces the frame again and calls us anew
             raise

@@ -125,6 +125,7 @@ class ShardReport:
     shared_replicated: int = 0        # replicated values whose full gradient each rank keeps 1/P of (replicated.py)
     tiled_losses: int = 0             # LM head + loss pairs run over token chunks (tiled_loss.py)
     tiled_mlps: int = 0               # layer MLPs run over token chunks (tiled_mlp.py)
+    offloaded: int = 0                # saved tensors that wait for the backward in host memory (offload.py)
     param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero/gather.py)
     param_prefetched: int = 0         # of which started while the unit before computes (zero/prefetch.py)
     mlp_chunks: dict[int, int] = field(default_factory=dict)   # layer index -> chunks its MLP ran in
