@@ -1133,3 +1133,94 @@ def batches_differ_across_ranks() -> dict[str, Any]:
     ids, labels = _batch(2, 2, 32, False)
     out["after"] = _loss(sp, "reference", ids, labels).item()
     return out
+
+
+def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] = ("aot_eager", "inductor"),
+                 zero_stage: int | None = 3, strategy: str = "ulysses", mlp_chunks: int = 2,
+                 loss_chunks: int = 2) -> dict[str, Any]:
+    """Full checkpointing + offload + ZeRO ``zero_stage`` + tiled MLP and loss on a 1 x world mesh,
+    per compiler against one process over ``steps`` AdamW steps (loss, every gradient, the
+    parameters after), the report, and the last step's order of copies and all-to-alls: ``O`` an
+    offload, ``R`` a reload issued, ``W`` its wait, ``a`` an all-to-all, ``|`` the backward begins."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autosp.decisions import MeshChoice
+    from autosp.strategies import collectives
+    from autosp.tools.validation import tiny_model
+    from autosp.transform import offload as off
+
+    ref = tiny_model()
+    out: dict[str, Any] = {}
+    marks = {"all_to_all": "a", off.OFFLOAD_KIND: "O", off.RELOAD_KIND: "R", off.WAIT_KIND: "W"}
+    for compiler in compilers:
+        torch._dynamo.reset()
+        one, model = copy.deepcopy(ref), copy.deepcopy(ref)
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "sp"))
+        decisions = autosp.Decisions.of(strategy=strategy, checkpoint="full", mlp_chunks=mlp_chunks, offload=True,
+                                        mesh=MeshChoice(loss_chunks=loss_chunks))
+        sp = autosp.compile(model, plan=decisions, mesh=mesh, zero=zero_stage, runtime=autosp.Runtime(compiler=compiler))
+        opt, opt_one = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
+        row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
+        events: list[str] = []
+        saved = collectives.tally, off.tally
+
+        def tally(kind, group, *sent):
+            events.append(marks.get(kind, ""))
+            return saved[0](kind, group, *sent)
+
+        for step in range(steps):
+            ids, labels = _batch(step, 1, seq_len, True)
+            events.clear()
+            collectives.tally = off.tally = tally
+            try:
+                loss = sp(input_ids=ids, labels=labels).loss
+                events.append("|")
+                loss.backward()
+            finally:
+                collectives.tally, off.tally = saved
+            ref_loss = one(input_ids=ids, labels=labels).loss
+            ref_loss.backward()
+            row["loss_err"] = max(row["loss_err"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+            for p, q in zip(model.parameters(), one.parameters()):
+                row["grad_err"] = max(row["grad_err"], _rel(_full(p.grad), q.grad))
+            opt.step(), opt_one.step()
+            opt.zero_grad(set_to_none=True), opt_one.zero_grad(set_to_none=True)
+        flat = lambda m: torch.cat([_full(p.detach()).flatten() for p in m.parameters()])  # noqa: E731
+        row["param_err"] = _rel(flat(model), flat(one))
+        row["report"] = sp.report().as_dict()
+        row["offloaded"] = sum(r.offloaded for r in sp.state.reports)
+        row["events"] = "".join(events)
+        out[compiler] = row
+    return out
+
+
+def offload_memory(seq_len: int = 2048, strategy: str = "ulysses", mlp_chunks: int = 1) -> dict[str, Any]:
+    """Device and host peaks (memory probe) of one step of tiny Llama with full checkpointing, with
+    and without offload, through aot_eager, next to what the memory model predicts for each."""
+    import torch.distributed as dist
+
+    from autosp.costmodel.predict import step_peak as predicted_peak
+    from autosp.costmodel.profile import load_profile
+    from autosp.graph import capture
+    from autosp.tools.memory_probe import step_memory
+    from autosp.tools.validation import tiny_model
+
+    graph = capture(tiny_model(), seq_len=seq_len, dtype="float32")
+    out = {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        decisions = autosp.Decisions.of(strategy=strategy, checkpoint="full", mlp_chunks=mlp_chunks, offload=offload)
+        sp = autosp.compile(tiny_model(), plan=decisions, runtime=autosp.Runtime(compiler="aot_eager"))
+        ids, labels = _batch(0, 1, seq_len, False)
+        sp(input_ids=ids, labels=labels).loss.backward()        # compile first: the probe sees a steady step
+        _, probe = step_memory(sp, lambda: sp(input_ids=ids, labels=labels).loss)
+        out["offload" if offload else "kept"] = {
+            "peak": probe.peak, "host_peak": probe.host_peak,
+            "predicted": predicted_peak(graph, load_profile("cpu-gloo"), sp=dist.get_world_size(), strategy=strategy,
+                                        seq_len=seq_len, checkpoint="full", mlp_chunks=mlp_chunks, offload=offload),
+            "offloaded_bytes": sp.report().as_dict()["collectives"].get("host_offload", {}).get("bytes", 0)}
+    from autosp.costmodel.memory import layer_saved
+    out["kept_per_layer"] = layer_saved(graph, seq_len / dist.get_world_size(), "full", mlp_chunks)
+    out["layers"] = sum(lc.count for lc in graph.layer_classes.values())
+    return out

@@ -277,3 +277,13 @@ def test_checkpoints_resume_bit_for_bit_and_load_without_autosp(pool, tmp_path):
     plain.load_state_dict(state["model"])
     for name, p in plain.named_parameters():
         assert torch.equal(p.detach(), torch.tensor(res[0]["full"][name])), name
+
+
+def test_offload_with_full_checkpointing_and_zero_3_on_four_ranks(pool):
+    """The 2-rank offload case on 4 (a 1 x 4 mesh, 64 local tokens): exact, with a layer's two
+    saved tensors offloaded after the forward's last use and layer 0's prefetched one layer ahead."""
+    for r in run_ok(pool, "offload_step", steps=2, compilers=("aot_eager",), timeout=600):
+        c = r["aot_eager"]
+        assert c["loss_err"] < 1e-5 and c["grad_err"] < 1e-4 and c["param_err"] < 1e-5, c
+        assert c["report"]["collectives"]["host_offload"]["bytes"] == 4 * 64 * 256 * 4
+        assert c["events"] == "aaaaOO" * 2 + "|" + "RRRR" + ("WW" + "a" * 8) * 2, c["events"]

@@ -378,18 +378,23 @@ def strategy_saved(attention_saved: float, checkpoint: str) -> dict[str, float]:
 
 
 def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]],
-                 attention_saved: dict[str, float] | None = None) -> float:
+                 attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset()) -> float:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks) choices;
-    ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`)."""
+    ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`);
+    ``offloaded``: classes keeping it in host memory (:func:`autosp.costmodel.offload.offloaded_own`)."""
+    from autosp.costmodel.offload import offloaded_own
+
     extra = {fp: strategy_saved((attention_saved or {}).get(fp, 0.0), choice[fp][0]) for fp in graph.layer_classes}
     kept = {fp: layer_saved(graph, tokens, *choice[fp])[fp] + extra[fp]["kept"] for fp in graph.layer_classes}
-    shared = sum(lc.count * kept[fp] for fp, lc in graph.layer_classes.items())
+    shared = sum((1 if fp in offloaded else lc.count) * kept[fp] for fp, lc in graph.layer_classes.items())
     peaks = [terms["loss"] + shared]
     for key, base in terms.items():
         if key != "loss":
             fp, phase = key
             own = own_bytes(graph, tokens, fp, *choice[fp])
-            own = first_layer_own({"mlp": own["mlp"], "rest": own["rest"] + extra[fp]["own"]},
-                                  graph.layer_classes[fp].count, kept[fp])
+            own = {"mlp": own["mlp"], "rest": own["rest"] + extra[fp]["own"]}
+            own = offloaded_own(own, kept[fp]) if fp in offloaded else \
+                first_layer_own(own, graph.layer_classes[fp].count, kept[fp])
             peaks.append(base + shared + own[phase])
     return max(peaks)
+

@@ -319,12 +319,13 @@ def zero3_transient(graph: OpGraph) -> float:
 
 
 def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,
-              checkpoint: str = "none", mlp_chunks: int = 1, loss_chunks: int = 1, layout: str | None = None) -> float:
+              checkpoint: str = "none", mlp_chunks: int = 1, loss_chunks: int = 1, layout: str | None = None,
+              offload: bool = False) -> float:
     """Predicted peak bytes allocated during one step on one device, under the memory decisions
-    (checkpointing, MLP and loss tiling; the same for every layer), as the planner's memory
+    (checkpointing, MLP and loss tiling, offload; the same for every layer), as the planner's memory
     constraints count them: what the memory probe measures."""
     p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout)
     tokens = seq_len / sp
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
     return decided_peak(graph, tokens, terms, {fp: (checkpoint, mlp_chunks) for fp in graph.layer_classes},
-                        p.attention_saved)
+                        p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset())

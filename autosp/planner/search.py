@@ -18,8 +18,9 @@ from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from autosp.costmodel.live_tensors import largest_live
-from autosp.costmodel.memory import (FIRST, layer_saved, mlp_saved, model_states, first_layer_own, own_bytes,
-                                     peak_terms, strategy_saved)
+from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
+                                     strategy_saved)
+from autosp.costmodel.offload import copy_exposed, host_budget, offloaded_own
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
@@ -135,13 +136,13 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                                sp_exposed_s=share * p.attention_exposed_s,
                                                own_bytes=first_layer_own(own_phases, lc.count, one)))
                             continue
-                        copy = _copy_exposed(prof, one, p, total_layers, recompute[k] + again)
+                        copy = copy_exposed(prof, one, p, total_layers, recompute[k] + again)
                         opts.append(Option(key=LayerChoice(st, k, chunks, offload=True),
                                            time_s=time_s + lc.count * copy,
                                            mem_bytes=one,           # the one layer whose copy is in flight
                                            exposed_s=share * (p.attention_exposed_s + d_exposed),
                                            sp_exposed_s=share * p.attention_exposed_s,
-                                           own_bytes=_offloaded_own(own_phases, one),
+                                           own_bytes=offloaded_own(own_phases, one),
                                            host_bytes=lc.count * one, copy_exposed_s=lc.count * copy))
                 cand.options[fp] = opts
             cands.append(cand)
@@ -158,28 +159,6 @@ LOSS_OPS = 10
 def _chunk_overhead(prof: HardwareProfile, dtype: str, chunks: int, ops: int) -> float:
     """Seconds that running a region in ``chunks`` token chunks adds: a kernel floor per extra launch."""
     return (chunks - 1) * ops * prof.matmul_time(1.0, dtype) if chunks > 1 else 0.0
-
-
-def _copy_exposed(prof: HardwareProfile, kept: float, p: Prediction, layers: int, recompute_s: float) -> float:
-    """Exposed seconds of one offloaded layer's two copies: the offload runs beside the forward of
-    the layer and the next, the reload beside the backward of the layer before it (one layer ahead);
-    each copy's issue and wait on the compute stream costs its latency even when it hides."""
-    copy = prof.host_copy_time(kept)
-    latency = prof.host_copy_time(0.0)
-    forward = (p.layer_forward_s + p.attention_fwd_s) / layers
-    backward = (p.layer_compute_s + recompute_s) / layers - forward
-    return max(latency, copy - forward) + max(latency, copy - backward)
-
-
-def _offloaded_own(own: dict[str, float], kept: float) -> dict[str, float]:
-    """An offloaded layer's own phases: its kept bytes back for its backward beside the next one's
-    in flight (the shared term); the class's first layer has none in flight after it."""
-    return {**{ph: v + kept for ph, v in own.items()}, **{ph + FIRST: v for ph, v in own.items()}}
-
-
-def host_budget(prof: HardwareProfile, world: int, dpn: int, margin: float) -> float:
-    """Host memory per rank for offloaded layers: the node's, shared by its ranks, less the margin."""
-    return prof.host_memory_bytes / min(world, dpn) * (1.0 - margin)
 
 
 def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, devices_per_node: int | None = None,

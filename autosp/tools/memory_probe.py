@@ -44,8 +44,11 @@ class PeakBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.host_live = 0            # offload's copies in host memory (autosp::offload), counted apart
+        self.host_peak = 0
         self._tracked: dict[int, int] = {}
         self._refs: dict[int, int] = {}
+        self._host: set[int] = set()
 
     def _inside(self, func, args, kwargs):
         body = _python_body(func)
@@ -59,11 +62,16 @@ class PeakBytes(TorchDispatchMode):
         self._refs[ptr] -= 1
         if self._refs[ptr] == 0:
             del self._refs[ptr]
-            self.live -= self._tracked.pop(ptr, 0)
+            if ptr in self._host:
+                self._host.discard(ptr)
+                self.host_live -= self._tracked.pop(ptr, 0)
+            else:
+                self.live -= self._tracked.pop(ptr, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            out = func(*args, **(kwargs or {}))
+        host = func is torch.ops.autosp.offload.default if hasattr(torch.ops.autosp, "offload") else False
+        if isinstance(func, torch._ops.HigherOrderOperator) or host:
+            out = func(*args, **(kwargs or {}))     # (an offload's copy lives in host memory: not inside)
         elif func.namespace == "autosp":      # look inside our own ops: their buffers count
             out = self._inside(func, args, kwargs or {})
         else:
@@ -80,8 +88,13 @@ class PeakBytes(TorchDispatchMode):
                 if ptr in inputs:
                     continue                 # a view or in-place result of memory from before
                 self._tracked[ptr] = nbytes
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
+                if host:
+                    self._host.add(ptr)
+                    self.host_live += nbytes
+                    self.host_peak = max(self.host_peak, self.host_live)
+                else:
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
             # Every tensor on a tracked storage (the allocation and its views) holds it alive:
             # e.g. a matmul output dies while the view autograd saved of it lives on.
             self._refs[ptr] = self._refs.get(ptr, 0) + 1
@@ -90,7 +103,14 @@ class PeakBytes(TorchDispatchMode):
 
 
 def step_peak(model: object, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run ``loss = forward()`` and ``loss.backward()`` under a fresh probe: (loss, peak bytes).
+    """Run ``loss = forward()`` and ``loss.backward()`` under a fresh probe: (loss, peak bytes)."""
+    loss, probe = step_memory(model, forward)
+    return loss, probe.peak
+
+
+def step_memory(model: object, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, PeakBytes]:
+    """Run ``loss = forward()`` and ``loss.backward()`` under a fresh probe: (loss, the probe: its
+    ``peak`` of device bytes and ``host_peak`` of offloaded ones).
 
     torch.compile runs no compiled code while a dispatch mode is active (it falls back to
     eager, i.e. *unsharded*, execution), so for an autosp model the probe is entered inside
@@ -107,7 +127,7 @@ def step_peak(model: object, forward: Callable[[], torch.Tensor]) -> tuple[torch
             loss = forward()
     with probe:
         loss.backward()
-    return loss, probe.peak
+    return loss, probe
 
 
 class RssPeak:

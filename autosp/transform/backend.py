@@ -23,7 +23,7 @@ from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.transform.attention_region import extract_regions
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
-from autosp.transform.offload import offloading_partitioner
+from autosp.transform.offload import OffloadingPartitioner
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
 from autosp.transform.tiled_loss import tile_head_loss
 from autosp.transform.tiled_mlp import tile_mlps
@@ -190,23 +190,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str,
     if partitioner is None:
         return lookup_backend(compiler)(gm, example_inputs)
     if compiler == "aot_eager":
-        from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
 
-        def nop(g: fx.GraphModule, _: Any) -> Callable:
-            return make_boxed_func(g.forward)
-        return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner,
+        # boxed_nop runs each graph by an interpreter that drops its inputs as it goes: the backward
+        # frees a saved tensor after its last use (a plain call would hold them all to the end)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner,
                             keep_inference_input_mutations=True)(gm, example_inputs)
     from torch._inductor import config as inductor_config
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class Partitioner(CustomPartitionerFn):
-        def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-            return partitioner(joint, joint_inputs, **kwargs)
-
-        def uuid(self) -> None:        # no cache: the graphs it returns depend on the plan
-            return None
-    with inductor_config.patch(custom_partitioner_fn=Partitioner()):
+    with inductor_config.patch(custom_partitioner_fn=partitioner):
         return lookup_backend(compiler)(gm, example_inputs)
 
 
@@ -272,7 +265,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             if config.compiler == "eager":
                 raise AutospError("offload moves what AOTAutograd's partitioner saves to host memory: it needs a "
                                   "compiled graph; use runtime=autosp.Runtime(compiler='aot_eager' or 'inductor')")
-            partitioner = offloading_partitioner(offloaded, config.layer_paths,
+            partitioner = OffloadingPartitioner(offloaded, config.layer_paths,
                                                  lambda k: setattr(report, "offloaded", report.offloaded + k),
                                                  config.compiler)
         try:

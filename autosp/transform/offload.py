@@ -17,28 +17,33 @@ compiles through ``aot_eager`` or ``inductor``). A wrapper around the partitione
   before its first use.
 
 On CUDA the copies run on a side stream into pinned host memory; ``copy_wait`` makes the
-compute stream wait for the copy's event. On CPU (tests) the host pool is ordinary memory:
-a copy, which the memory probe counts apart from the device's (:mod:`autosp.tools.memory_probe`).
+compute stream wait for the copy's event (the host never waits: no sync per layer). On CPU
+(tests) the host pool is ordinary memory: a synchronous copy, its time counted as exposed, which
+the memory probe counts apart from the device's (:mod:`autosp.tools.memory_probe`). The report
+counts the copies per step (``collectives["host_offload"]``, ``["host_reload"]``).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from autosp.strategies.collectives import blocked, tally
 from autosp.transform.checkpointing import _layer_of
 
 # host copies in flight on CUDA, by the data pointer of the tensor they fill: the event to wait for
 _EVENTS: dict[int, Any] = {}
 _STREAMS: dict[int, Any] = {}
 
-# what this process offloaded and waited for since the report last read it (bytes, seconds)
-STATS = {"offloaded_bytes": 0, "reloaded_bytes": 0, "copy_wait_s": 0.0}
+# the copies, counted as the collectives are (:data:`autosp.strategies.collectives.TALLY`), so the
+# report gives them per step: calls, bytes, and the seconds the compute stream waited for them
+HOST = "host"
+OFFLOAD_KIND, RELOAD_KIND, WAIT_KIND = "host_offload", "host_reload", "host_copy_wait"
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -67,9 +72,12 @@ def _copy_async(src: Tensor, dst: Tensor) -> None:
 @torch.library.custom_op("autosp::offload", mutates_args=())
 def offload(x: Tensor) -> Tensor:
     """``x``'s copy in host memory (pinned; copied on a side stream on CUDA)."""
-    STATS["offloaded_bytes"] += x.numel() * x.element_size()
-    if not x.is_cuda:
-        return x.clone(memory_format=torch.contiguous_format)
+    tally(OFFLOAD_KIND, HOST, x)
+    if not x.is_cuda:           # a synchronous copy: all of it exposed
+        t0 = time.perf_counter()
+        host = x.clone(memory_format=torch.contiguous_format)
+        blocked(OFFLOAD_KIND, HOST, t0)
+        return host
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     _copy_async(x, host)
     return host
@@ -83,9 +91,12 @@ def _(x: Tensor) -> Tensor:
 @torch.library.custom_op("autosp::reload", mutates_args=())
 def reload(host: Tensor, device: torch.device) -> Tensor:
     """``host`` back on ``device``; on CUDA the copy may still run: read it after :func:`copy_wait`."""
-    STATS["reloaded_bytes"] += host.numel() * host.element_size()
+    tally(RELOAD_KIND, HOST, host)
     if device.type != "cuda":
-        return host.clone()
+        t0 = time.perf_counter()
+        back = host.clone()
+        blocked(RELOAD_KIND, HOST, t0)
+        return back
     event = _EVENTS.pop(host.data_ptr(), None)
     if event is not None:             # the offload's copy must have landed before we read it back
         _side_stream(device).wait_event(event)
@@ -106,11 +117,10 @@ _lib.define("copy_wait(Tensor(a) x) -> Tensor(a)")
 
 
 def _copy_wait(x: Tensor) -> Tensor:
+    tally(WAIT_KIND, HOST)
     event = _EVENTS.pop(x.data_ptr(), None)
-    if event is not None:
-        t0 = time.perf_counter()
+    if event is not None:       # the compute stream waits, the host does not (no sync per layer)
         torch.cuda.current_stream(x.device).wait_event(event)
-        STATS["copy_wait_s"] += time.perf_counter() - t0
     return x
 
 
@@ -153,7 +163,6 @@ def place_offloads(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
         if val is None or ph is None or not ph.users or x.op == "placeholder":
             continue            # (a graph input, e.g. a parameter's shard, stays where it lives anyway)
         readers = _layers_reading(ph, layer_paths) - {None}     # (ops autosp inserted carry no layer)
-        if os.environ.get("OFFDBG"): print("SAVED", x.name, tuple(val.shape), readers)
         if len(readers) != 1 or next(iter(readers)) not in offloaded:
             continue
         (layer,) = readers
@@ -175,7 +184,6 @@ def place_offloads(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
         back.meta["val"] = val
         ready.meta["val"] = val
         moved += 1
-        if os.environ.get("OFFDBG"): print("OFF", x.name, tuple(val.shape), layer, "last", last.name, "ahead", ahead.name, "first", first_use.name)
     if moved:
         out_node.args = (tuple(outs),) + tuple(out_node.args[1:])
         for g in (fw, bw):
@@ -184,15 +192,30 @@ def place_offloads(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
     return moved
 
 
-def offloading_partitioner(offloaded: set[int], layer_paths: list[str], record: Callable[[int], None],
-                           compiler: str = "aot_eager") -> Callable:
-    """AOTAutograd's min-cut partitioner, then :func:`place_offloads` on the graphs it returns."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+class OffloadingPartitioner(CustomPartitionerFn):
+    """AOTAutograd's min-cut partitioner, then :func:`place_offloads` on the graphs it returns; a
+    partition function for ``aot_autograd`` and Inductor's ``custom_partitioner_fn`` alike (its
+    ``uuid`` keys Inductor's cache by what it offloads)."""
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if compiler == "inductor":
+    def __init__(self, offloaded: set[int], layer_paths: list[str], record: Callable[[int], None],
+                 compiler: str = "aot_eager"):
+        self.offloaded, self.layer_paths, self.record, self.compiler = offloaded, layer_paths, record, compiler
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        if self.compiler == "inductor":
             kwargs.setdefault("compiler", "inductor")
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        record(place_offloads(fw, bw, kwargs["num_fwd_outputs"], offloaded, layer_paths))
+        self.record(place_offloads(fw, bw, kwargs["num_fwd_outputs"], self.offloaded, self.layer_paths))
         return fw, bw
-    return partition
+
+    def uuid(self) -> str:
+        import hashlib
+
+        with open(__file__, "rb") as f:
+            code = f.read()
+        return hashlib.sha256(code + repr((sorted(self.offloaded), self.layer_paths)).encode()).hexdigest()
+
+    def __getstate__(self) -> dict:         # Inductor pickles its configuration for cache keys
+        return {"offloaded": sorted(self.offloaded), "layer_paths": self.layer_paths, "compiler": self.compiler}

@@ -31,6 +31,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
                                         refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
+from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
 from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
@@ -164,6 +165,7 @@ class SequenceParallel(nn.Module):
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
         groups.update(self.param_groups)
+        groups.add(HOST)                      # offload's copies to and from host memory
         counts: dict[str, dict[str, float]] = {}
         for (group, kind), (calls, sent, waited) in TALLY.items():
             before = step["tally"].get((group, kind), (0, 0, 0.0))

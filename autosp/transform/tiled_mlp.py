@@ -91,6 +91,20 @@ def _regions(gm: fx.GraphModule, layer_paths: list[str]) -> list[tuple[int, list
     return out
 
 
+def _without_param_gathers(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The region without ZeRO 3's parameter gathers (read where the MLP reads its weights): they
+    move before it, so the chunks read the gathered weights as they read any weight."""
+    gather = torch.ops.autosp.gather_shards.default if hasattr(torch.ops.autosp, "gather_shards") else None
+    moved = [n for n in nodes if n.target is gather or (n.target is operator.getitem and
+                                                        getattr(n.args[0], "target", None) is gather)]
+    if not moved:
+        return nodes
+    rest = [n for n in nodes if n not in set(moved)]
+    for n in moved:                 # they read only the parameters' shards (placeholders)
+        rest[0].prepend(n)
+    return rest
+
+
 def _tileable(nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node, int] | None:
     """(the sequence-sharded input, the output, the sequence dim) of a region that may run in chunks."""
     inside = set(nodes)
@@ -187,6 +201,7 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
     tiled = 0
     for layer, nodes in _regions(gm, layer_paths):
         chunks = chunks_of(layer)
+        nodes = _without_param_gathers(nodes) if chunks > 1 else nodes
         found = _tileable(nodes) if chunks > 1 else None
         if found is None:
             continue

@@ -1,0 +1,37 @@
+"""What offloading a layer's saved tensors to host memory costs: device bytes, host bytes, time.
+
+A layer whose saved tensors wait in host memory (:mod:`autosp.transform.offload`) holds them on
+the device only while its forward still reads them and again during its own backward, with the
+next layer's copy in flight beside it (one layer ahead). Its copies run beside compute; what
+shows is the part longer than the compute they overlap, and each copy's issue latency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autosp.costmodel.memory import FIRST
+from autosp.costmodel.profile import HardwareProfile
+
+
+def offloaded_own(own: dict[str, float], kept: float) -> dict[str, float]:
+    """An offloaded layer's own phases (see :func:`autosp.costmodel.memory.peak_terms`): its kept
+    bytes back for its backward, beside the next one's in flight (the planner's shared term holds
+    one layer's); the class's first layer has none in flight after it."""
+    return {**{ph: v + kept for ph, v in own.items()}, **{ph + FIRST: v for ph, v in own.items()}}
+
+
+def copy_exposed(prof: HardwareProfile, kept: float, p: Any, layers: int, recompute_s: float) -> float:
+    """Exposed seconds of one offloaded layer's two copies: the offload runs beside the forward of
+    the layer and the next, the reload beside the backward of the layer before it (one layer ahead);
+    each copy's issue and wait on the compute stream costs its latency even when it hides."""
+    copy = prof.host_copy_time(kept)
+    latency = prof.host_copy_time(0.0)
+    forward = (p.layer_forward_s + p.attention_fwd_s) / layers
+    backward = (p.layer_compute_s + recompute_s) / layers - forward
+    return max(latency, copy - forward) + max(latency, copy - backward)
+
+
+def host_budget(prof: HardwareProfile, world: int, dpn: int, margin: float) -> float:
+    """Host memory per rank for offloaded layers: the node's, shared by its ranks, less the margin."""
+    return prof.host_memory_bytes / min(world, dpn) * (1.0 - margin)
