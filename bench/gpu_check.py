@@ -1,6 +1,6 @@
 """GPU checks, for a machine with one CUDA device (skipped without one).
 
-    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency]
+    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency|offload] [--dry]
 
 1. Blockwise attention on CUDA (the kernels ring / all-gather-KV / hybrid run
    on): queries and keys in arbitrary chunk orders, merged by log-sum-exp,
@@ -18,6 +18,10 @@
    per channel, so they take SMs and HBM bandwidth from the compute), and a
    device-to-device ``cudaMemcpyAsync`` at the full HBM rate (a bound, not a
    stand-in). Written to DIR/concurrency.json.
+5. Long context with offload (``--only offload``, :mod:`offload_check`): Llama-3-8B's layer
+   shapes at one rank's tokens, peak memory and step time against the plan, offload on and off,
+   and the device <-> host copy bandwidth. Written to DIR/offload.json. ``--dry`` runs it on CPU
+   with a tiny model (the suite does).
 """
 
 from __future__ import annotations
@@ -228,8 +232,19 @@ def concurrency_check(repeats: int = 9) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=["concurrency"], help="run this check alone")
+    ap.add_argument("--only", choices=["concurrency", "offload"], help="run this check alone")
+    ap.add_argument("--dry", action="store_true", help="--only offload on CPU with a tiny model")
+    ap.add_argument("--tokens", type=int, default=None, help="--only offload: tokens per rank (default 131072)")
     args = ap.parse_args()
+    if args.only == "offload":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import offload_check
+
+        if args.dry or torch.cuda.is_available():
+            offload_check.main(args.out, args.dry, args.tokens)
+        else:
+            print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
+        return
     if not torch.cuda.is_available():
         print("no CUDA device: GPU checks skipped")
         return

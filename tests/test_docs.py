@@ -89,3 +89,26 @@ def test_the_docs_site_builds_with_warnings_as_errors(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "memory_limit" in (tmp_path / "site" / "reference" / "index.html").read_text()
+
+
+def test_the_gpu_offload_check_runs_dry_on_cpu(tmp_path):
+    """``bench/gpu_check.py --only offload`` is ready for a lent GPU: its CPU dry run offloads what the
+    planner predicts for the same decisions, and writes every figure bench/README.md quotes."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--only", "offload", "--dry", "--out", str(tmp_path)],
+                         cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "offload.json").read_text())
+    assert res["host_bandwidth"]["d2h"] > 0 and res["host_bandwidth"]["h2d"] > 0
+    kept, off = res["kept"], res["offload"]
+    assert kept["offloaded_bytes"] == kept["host_peak_bytes"] == 0
+    # 2 layers x 2 saved tensors (input, tiled MLP's) x 256 tokens x 128 x 4 bytes, as predicted
+    assert off["offloaded_bytes"] == off["host_peak_bytes"] == off["predicted_host_bytes"] == 4 * 256 * 128 * 4
+    assert [d["offload"] for d in off["decisions"]] == [True] and [d["offload"] for d in kept["decisions"]] == [False]
+    for r in (kept, off):
+        assert r["step_s"] > 0 and r["predicted_step_s"] > 0 and abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1) < 0.25
+    assert "host copies:" in run.stdout and "offload " in run.stdout

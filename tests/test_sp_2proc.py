@@ -445,7 +445,7 @@ def test_auto_plan_is_exact_and_cached(pool, tmp_path):
         check_exact([r])
         # keyed by profile, memory budget (MiB), the checkpointing modes and MLP / loss chunks it could choose
         assert r["plan_layers"] and r["cached"] and "-cpu-gloo-m" in r["cached"][0]
-        assert r["cached"][0].endswith("-none-selective-full-c1-8-l1-8.json"), r["cached"]
+        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-l1-8-64-256.json"), r["cached"]
 
 
 def test_a_strategy_registered_from_a_test_runs_forced_and_planned(pool):
@@ -625,11 +625,11 @@ def test_zero_3_with_full_checkpointing_gathers_each_block_again_for_its_recompu
     """ZeRO 3 + full checkpointing through AOTAutograd and Inductor (once refused: the DTensor
     parameters' device mesh was saved for the recomputed backward). Each block is gathered once in
     the forward and once in the backward, where its forward is recomputed before its backward."""
-    res = run_ok(pool, "zero3_in_graph", compilers=("aot_eager", "inductor"), checkpoint="full", steps=2,
-                 timeout=600)
+    # (through Inductor: the offload test below, which checkpoints fully under ZeRO 3 too)
+    res = run_ok(pool, "zero3_in_graph", compilers=("aot_eager",), checkpoint="full", steps=2, timeout=600)
     for r in res:
         block, params = r["block_bytes"], r["param_bytes"]
-        for compiler in ("aot_eager", "inductor"):
+        for compiler in ("aot_eager",):
             c = r[compiler]
             assert c["loss_err"] < 1e-5 and c["grad_err"] < 1e-4, (compiler, c)
             rep = c["report"]
