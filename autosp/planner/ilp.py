@@ -179,7 +179,7 @@ class _MeshModel:
 
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = 2
+        solver.parameters.num_workers = 1        # a small model: one thread solves it fastest
         status = solver.Solve(self.m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
