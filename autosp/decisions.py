@@ -1,7 +1,8 @@
 """The decisions a plan makes, as frozen typed values: the contract from planner to runtime.
 
     LayerChoice   per class of identical layers: attention strategy, activation checkpointing,
-                  token chunks of the MLP, offload of what it keeps to host memory
+                  token chunks of the MLP (and, fully checkpointed, whether the MLP's input is kept),
+                  offload of what it keeps to host memory
     MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
                   ZeRO 3's sharding group
     Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
@@ -43,13 +44,24 @@ class LayerChoice:
     checkpoint: str = "none"
     mlp_chunks: int = 1
     offload: bool = False        # what the layer keeps for its backward waits in host memory
+    # Under full checkpointing with a tiled MLP: True, the MLP block is a recompute region of its own
+    # whose input is kept (one hidden state more per layer, the attention's recompute not alive
+    # during the MLP chunks' backward); False, the whole layer is one region that keeps its input
+    # alone (what a long context on many layers needs; offloaded, half the host memory).
+    keep_mlp_input: bool = True
 
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINTS:
             raise AutospError(f"unknown checkpointing '{self.checkpoint}'; use one of {', '.join(CHECKPOINTS)}")
         _positive("mlp_chunks", self.mlp_chunks)
-        if not isinstance(self.offload, bool):
-            raise AutospError(f"offload must be True or False, got {self.offload!r}")
+        for name in ("offload", "keep_mlp_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise AutospError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def mlp_region_of_its_own(self) -> bool:
+        """A fully checkpointed layer's tiled MLP recomputes as a region of its own (input kept)."""
+        return self.checkpoint == "full" and self.mlp_chunks > 1 and self.keep_mlp_input
 
 
 @dataclass(frozen=True)
@@ -84,9 +96,10 @@ class Decisions:
     @classmethod
     def of(cls, strategy: str | Sequence[str] = "auto", checkpoint: str | Sequence[str] = "none",
            mlp_chunks: int | Sequence[int] = 1, mesh: MeshChoice = MeshChoice(),
-           offload: bool | Sequence[bool] = False) -> "Decisions":
+           offload: bool | Sequence[bool] = False, keep_mlp_input: bool | Sequence[bool] = True) -> "Decisions":
         """From per-field values, each one for all layers or a list with one per layer."""
-        cols = {"strategy": strategy, "checkpoint": checkpoint, "mlp_chunks": mlp_chunks, "offload": offload}
+        cols = {"strategy": strategy, "checkpoint": checkpoint, "mlp_chunks": mlp_chunks, "offload": offload,
+                "keep_mlp_input": keep_mlp_input}
         lists = {k: [v] if isinstance(v, (str, int)) else list(v) for k, v in cols.items()}
         lengths = {len(v) for v in lists.values()} - {1}
         if len(lengths) > 1 or any(len(v) == 0 for v in lists.values()):
@@ -118,3 +131,7 @@ class Decisions:
     @property
     def offload(self) -> bool | list[bool]:
         return self.per_layer("offload")
+
+    @property
+    def keep_mlp_input(self) -> bool | list[bool]:
+        return self.per_layer("keep_mlp_input")

@@ -1,11 +1,13 @@
 """Predicted against measured per-rank step peak, for every memory decision the planner takes.
 
     python bench/memory_decisions.py [--seq-len 4096] [--degrees 1 2] [--compiler aot_eager]
-        [--strategy ulysses] [--decisions none/1/1 full/8/8 ...]
+        [--strategy ulysses] [--layers 2] [--decisions none/1/1 full/8/8 full/8/8/recomputed ...]
 
 The bench's tiny Llama (hidden 256, 8 heads, 4 KV heads, 2 layers, MLP 688, vocabulary
 1000), fp32, Ulysses, each of checkpointing none / selective / full with the MLPs whole or
-in 8 token chunks (and the LM head and loss in 8 chunks with full checkpointing). Measured:
+in 8 token chunks (and the LM head and loss in 8 chunks with full checkpointing; a fourth field
+``recomputed``: the fully checkpointed layer's tiled MLP recomputes with the whole layer instead
+of keeping its input). Measured:
 the peak bytes of the tensors allocated during one training step
 (``autosp.tools.memory_probe``, the allocator's view; Inductor's kernels bypass it, hence
 ``aot_eager``, which partitions forward and backward the same way). Predicted: the cost
@@ -20,22 +22,28 @@ import argparse
 from autosp.tools.launch import spawn_gloo
 
 DECISIONS = [("none", 1, 1), ("selective", 1, 1), ("full", 1, 1), ("none", 8, 1), ("selective", 8, 1),
-             ("full", 8, 1), ("full", 8, 8)]        # (checkpointing, MLP chunks, loss chunks)
+             ("full", 8, 1), ("full", 8, 8), ("full", 8, 8, "recomputed")]
+# (checkpointing, MLP chunks, loss chunks[, the tiled MLP's input kept or recomputed under full])
 
 
-def tiny():
+def _keeps_input(decision: tuple) -> bool:
+    return len(decision) < 4 or decision[3] == "kept"
+
+
+def tiny(layers: int = 2):
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
                                    attn_implementation="sdpa")
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: list | None = None) -> list[dict]:
+def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: list | None = None,
+            layers: int = 2) -> list[dict]:
     import torch
 
     import autosp
@@ -45,17 +53,19 @@ def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: l
     rows = []
     # One rank runs what autosp runs there (attention as it is), more the strategy named.
     strategy = strategy if torch.distributed.get_world_size() > 1 else "auto"
-    for checkpoint, mlp_chunks, loss_chunks in decisions or DECISIONS:
+    for decision in decisions or DECISIONS:
+        checkpoint, mlp_chunks, loss_chunks = decision[:3]
         torch._dynamo.reset()
-        model = tiny()
+        model = tiny(layers)
         sp = autosp.compile(model, plan=autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint, mlp_chunks=mlp_chunks,
+                                                            keep_mlp_input=_keeps_input(decision),
                                                             mesh=autosp.MeshChoice(loss_chunks=loss_chunks)),
                             runtime=autosp.Runtime(compiler=compiler))
         sp(input_ids=ids, labels=ids).loss.backward()                 # compile outside the probe
         model.zero_grad(set_to_none=True)
         loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
         rows.append(dict(checkpoint=checkpoint, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, peak=peak,
-                         loss=loss.item()))
+                         loss=loss.item(), keep_mlp_input=_keeps_input(decision)))
     return rows
 
 
@@ -65,29 +75,34 @@ def main() -> None:
     ap.add_argument("--degrees", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--compiler", default="aot_eager")
     ap.add_argument("--strategy", default="ulysses", help="what SP > 1 runs")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--decisions", nargs="*", default=None,
                     help="a subset, as checkpoint/mlp_chunks/loss_chunks (e.g. selective/8/8)")
     args = ap.parse_args()
-    decisions = [(c, int(m), int(k)) for c, m, k in (d.split("/") for d in args.decisions)] if args.decisions \
-        else DECISIONS
+    decisions = [(c, int(m), int(k), *rest) for c, m, k, *rest in (d.split("/") for d in args.decisions)] \
+        if args.decisions else DECISIONS
 
     from autosp.costmodel.predict import step_peak
     from autosp.costmodel.profile import load_profile
     from autosp.graph import capture
 
-    graph = capture(tiny(), seq_len=args.seq_len, dtype="float32")
+    graph = capture(tiny(args.layers), seq_len=args.seq_len, dtype="float32")
     prof = load_profile("cpu-gloo")
-    print(f"tiny Llama, {args.seq_len} tokens, {args.strategy}, {args.compiler}; per-rank step peak\n")
-    print("| SP | checkpoint | MLP chunks | loss chunks | measured | predicted | predicted / measured |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"tiny Llama, {args.layers} layers, {args.seq_len} tokens, {args.strategy}, {args.compiler}; "
+          "per-rank step peak\n")
+    print("| SP | checkpoint | MLP chunks | MLP input | loss chunks | measured | predicted | predicted / measured |")
+    print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for sp in args.degrees:
         for r in spawn_gloo(measure, sp, threads=1, seq_len=args.seq_len, compiler=args.compiler,
-                            strategy=args.strategy, decisions=decisions):
+                            strategy=args.strategy, decisions=decisions, layers=args.layers):
             pred = step_peak(graph, prof, sp=sp, strategy=args.strategy, seq_len=args.seq_len,
-                             checkpoint=r["checkpoint"], mlp_chunks=r["mlp_chunks"], loss_chunks=r["loss_chunks"])
+                             checkpoint=r["checkpoint"], mlp_chunks=r["mlp_chunks"], loss_chunks=r["loss_chunks"],
+                             keep_mlp_input=r["keep_mlp_input"])
             worst = max(worst, abs(pred / r["peak"] - 1))
-            print(f"| {sp} | {r['checkpoint']} | {r['mlp_chunks']} | {r['loss_chunks']} | {r['peak'] / 2**20:.1f} MiB "
+            tiled_full = r["checkpoint"] == "full" and r["mlp_chunks"] > 1
+            mlp_input = ("kept" if r["keep_mlp_input"] else "recomputed") if tiled_full else "-"
+            print(f"| {sp} | {r['checkpoint']} | {r['mlp_chunks']} | {mlp_input} | {r['loss_chunks']} | {r['peak'] / 2**20:.1f} MiB "
                   f"| {pred / 2**20:.1f} MiB | {pred / r['peak']:.3f} |", flush=True)
     print(f"\nworst |predicted / measured - 1|: {worst:.3f}")
 

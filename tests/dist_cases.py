@@ -251,7 +251,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compile_options(strategy: str = "auto", plan: Any = None, checkpoint: Any = "none", layout: str | None = None,
                     loss_chunks: int = 1, mlp_chunks: Any = 1, memory_limit: float | None = None,
-                    runtime: Any = None) -> dict[str, Any]:
+                    runtime: Any = None, keep_mlp_input: bool = True) -> dict[str, Any]:
     """autosp.compile's arguments for a test's knobs: a saved plan, a budget for the planner, the
     planner with some decisions fixed (strategy "auto"), or every decision fixed."""
     run = {"runtime": runtime} if runtime is not None else {}
@@ -264,6 +264,7 @@ def compile_options(strategy: str = "auto", plan: Any = None, checkpoint: Any = 
                  "mlp_chunks": None if mlp_chunks == 1 else mlp_chunks, "loss_chunks": None if loss_chunks == 1 else loss_chunks}
         return {"plan": autosp.Auto(**fixed), **run}
     return {"plan": autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint, mlp_chunks=mlp_chunks,
+                                        keep_mlp_input=keep_mlp_input,
                                         mesh=autosp.MeshChoice(layout=layout, loss_chunks=loss_chunks)), **run}
 
 
@@ -619,13 +620,15 @@ def checkpoint_memory(seq_len: int = 1024, strategy: str = "ulysses", compiler: 
     graph = capture(tiny_model(), seq_len=seq_len, dtype="float32")
     out = {}
     for mode in modes:
-        ck, mlp, lc = (mode, 1, 1) if isinstance(mode, str) else mode
+        ck, mlp, lc, *keep = (mode, 1, 1) if isinstance(mode, str) else mode
+        keep_input = keep[0] if keep else True         # (a fourth field: the tiled MLP's input kept under full)
         torch._dynamo.reset()
         sp = autosp.compile(tiny_model(), **compile_options(strategy, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc,
+                                                            keep_mlp_input=keep_input,
                                                             runtime=autosp.Runtime(compiler=compiler)))
         m = measure_step(sp, seq_len, repeats=0)
         predicted = step_peak(graph, load_profile("cpu-gloo"), sp=dist.get_world_size(), strategy=strategy,
-                              seq_len=seq_len, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc)
+                              seq_len=seq_len, checkpoint=ck, mlp_chunks=mlp, loss_chunks=lc, keep_mlp_input=keep_input)
         out[mode if isinstance(mode, str) else "/".join(map(str, mode))] = {
             "peak": m["peak"], "loss": m["loss"], "predicted": predicted,
             "tiled_mlps": sum(r.tiled_mlps for r in sp.state.reports)}
@@ -1137,9 +1140,9 @@ def batches_differ_across_ranks() -> dict[str, Any]:
 
 def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] = ("aot_eager", "inductor"),
                  zero_stage: int | None = 3, strategy: str = "ulysses", mlp_chunks: int = 2,
-                 loss_chunks: int = 2) -> dict[str, Any]:
+                 loss_chunks: int = 2, keep_mlp_input: tuple[bool, ...] = (True, False)) -> dict[str, Any]:
     """Full checkpointing + offload + ZeRO ``zero_stage`` + tiled MLP and loss on a 1 x world mesh,
-    per compiler against one process over ``steps`` AdamW steps (loss, every gradient, the
+    per compiler (with ``keep_mlp_input``, one per compiler) against one process over ``steps`` AdamW steps (loss, every gradient, the
     parameters after), the report, and the last step's order of copies and all-to-alls: ``O`` an
     offload, ``R`` a reload issued, ``W`` its wait, ``a`` an all-to-all, ``|`` the backward begins."""
     import torch.distributed as dist
@@ -1153,12 +1156,12 @@ def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] 
     ref = tiny_model()
     out: dict[str, Any] = {}
     marks = {"all_to_all": "a", off.OFFLOAD_KIND: "O", off.RELOAD_KIND: "R", off.WAIT_KIND: "W"}
-    for compiler in compilers:
+    for compiler, keep in zip(compilers, keep_mlp_input):
         torch._dynamo.reset()
         one, model = copy.deepcopy(ref), copy.deepcopy(ref)
         mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "sp"))
         decisions = autosp.Decisions.of(strategy=strategy, checkpoint="full", mlp_chunks=mlp_chunks, offload=True,
-                                        mesh=MeshChoice(loss_chunks=loss_chunks))
+                                        keep_mlp_input=keep, mesh=MeshChoice(loss_chunks=loss_chunks))
         sp = autosp.compile(model, plan=decisions, mesh=mesh, zero=zero_stage, runtime=autosp.Runtime(compiler=compiler))
         opt, opt_one = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
         row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
@@ -1195,11 +1198,14 @@ def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] 
     return out
 
 
-def offload_memory(seq_len: int = 2048, strategy: str = "ulysses", mlp_chunks: int = 1) -> dict[str, Any]:
-    """Device and host peaks (memory probe) of one step of tiny Llama with full checkpointing, with
-    and without offload, through aot_eager, next to what the memory model predicts for each."""
+def offload_memory(seq_len: int = 2048, strategy: str = "ulysses") -> dict[str, Any]:
+    """Device and host peaks (memory probe) of one step of tiny Llama with full checkpointing,
+    through aot_eager, next to what the memory model predicts for each: the MLP whole, with and
+    without offload ("kept", "offload"), and offloaded with the MLP and loss in 8 chunks, the MLP
+    recomputed with its layer ("offload_tiled", one hidden state kept per layer)."""
     import torch.distributed as dist
 
+    from autosp.costmodel.memory import layer_saved
     from autosp.costmodel.predict import step_peak as predicted_peak
     from autosp.costmodel.profile import load_profile
     from autosp.graph import capture
@@ -1207,20 +1213,23 @@ def offload_memory(seq_len: int = 2048, strategy: str = "ulysses", mlp_chunks: i
     from autosp.tools.validation import tiny_model
 
     graph = capture(tiny_model(), seq_len=seq_len, dtype="float32")
-    out = {}
-    for offload in (False, True):
+    out: dict[str, Any] = {}
+    runs = {"kept": (False, 1, 1), "offload": (True, 1, 1), "offload_tiled": (True, 8, 8)}
+    for name, (offload, chunks, loss_chunks) in runs.items():
         torch._dynamo.reset()
-        decisions = autosp.Decisions.of(strategy=strategy, checkpoint="full", mlp_chunks=mlp_chunks, offload=offload)
+        mem = dict(checkpoint="full", mlp_chunks=chunks, offload=offload, keep_mlp_input=chunks == 1)
+        decisions = autosp.Decisions.of(strategy=strategy, **mem, mesh=autosp.MeshChoice(loss_chunks=loss_chunks))
         sp = autosp.compile(tiny_model(), plan=decisions, runtime=autosp.Runtime(compiler="aot_eager"))
         ids, labels = _batch(0, 1, seq_len, False)
         sp(input_ids=ids, labels=labels).loss.backward()        # compile first: the probe sees a steady step
         _, probe = step_memory(sp, lambda: sp(input_ids=ids, labels=labels).loss)
-        out["offload" if offload else "kept"] = {
+        out[name] = {
             "peak": probe.peak, "host_peak": probe.host_peak,
             "predicted": predicted_peak(graph, load_profile("cpu-gloo"), sp=dist.get_world_size(), strategy=strategy,
-                                        seq_len=seq_len, checkpoint="full", mlp_chunks=mlp_chunks, offload=offload),
-            "offloaded_bytes": sp.report().as_dict()["collectives"].get("host_offload", {}).get("bytes", 0)}
-    from autosp.costmodel.memory import layer_saved
-    out["kept_per_layer"] = layer_saved(graph, seq_len / dist.get_world_size(), "full", mlp_chunks)
+                                        seq_len=seq_len, loss_chunks=loss_chunks, **mem),
+            "offloaded_bytes": sp.report().as_dict()["collectives"].get("host_offload", {}).get("bytes", 0),
+            "kept_per_layer": next(iter(layer_saved(graph, seq_len / dist.get_world_size(), "full", chunks,
+                                                    chunks == 1).values())),
+            "mlp_chunks": sorted({c for r in sp.state.reports for c in r.mlp_chunks.values()})}
     out["layers"] = sum(lc.count for lc in graph.layer_classes.values())
     return out

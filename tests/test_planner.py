@@ -364,6 +364,35 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
         plan(None, seq_len=tokens + 2 * world, **kw)
 
 
+def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer():
+    """Fully checkpointed, a tiled MLP that is a recompute region of its own keeps its input: a
+    second hidden state per layer. Across Llama-3-8B's 32 layers that costs more than the layer's
+    recomputed tensors alive during the MLP chunks' backward, so at 1.2M tokens on 8 devices without
+    offload the planner recomputes the MLP with its layer (which keeps one hidden state), and the
+    other choice does not fit."""
+    from autosp.costmodel.memory import hidden_bytes, layer_saved
+    from autosp.costmodel.profile import load_profile
+    from autosp.decisions import LayerChoice
+    from autosp.planner.ilp import peak_bytes
+    from autosp.planner.search import build_candidates
+
+    g = capture("llama3-8b", seq_len=4096)
+    kw = dict(world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8, offloads=(False,))
+    p = plan(None, graph=g, seq_len=1_200_000, **kw)
+    c = p.layers[0].choice
+    assert (c.checkpoint, c.mlp_chunks > 1, c.keep_mlp_input, c.offload) == ("full", True, False, False), c
+    tokens = 1_200_000 / 8
+    assert [next(iter(layer_saved(g, tokens, "full", 8, keep).values())) for keep in (False, True)] == \
+        [hidden_bytes(g, tokens), 2 * hidden_bytes(g, tokens)]
+    # The same decisions with the MLP's input kept are over the budget.
+    cands, _ = build_candidates(g, load_profile("h100-sxm"), 8, 8, 3, 1_200_000, offloads=(False,))
+    cand = next(x for x in cands if x.key == p.mesh)
+    fp = p.layers[0].fingerprint
+    assert peak_bytes(cand, {fp: c}) <= p.memory_limit_bytes * (1 - p.memory_margin)
+    kept = LayerChoice(c.strategy, "full", c.mlp_chunks)         # keep_mlp_input=True
+    assert peak_bytes(cand, {fp: kept}) > p.memory_limit_bytes * (1 - p.memory_margin)
+
+
 def test_the_plan_names_the_largest_tensors_alive_at_the_peak():
     """What bounds the context, per rank: Llama-3-8B at 128k tokens on 8 devices holds 16,384
     tokens each, and the step's peak (before tiling) is the loss's fp32 [tokens, 128,256] logits;

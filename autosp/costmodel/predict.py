@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autosp.costmodel.memory import (decided_peak, dtype_bytes, liveness_peak, model_states, peak_terms,
-                                     tiled_region, untraced_layer_activations)
+from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, tiled_region, untraced_layer_activations
+from autosp.costmodel.phases import decided_peak, peak_terms
 from autosp.costmodel.overlap import transfer_times
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
@@ -320,12 +320,14 @@ def zero3_transient(graph: OpGraph) -> float:
 
 def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,
               checkpoint: str = "none", mlp_chunks: int = 1, loss_chunks: int = 1, layout: str | None = None,
-              offload: bool = False) -> float:
+              offload: bool = False, keep_mlp_input: bool = True) -> float:
     """Predicted peak bytes allocated during one step on one device, under the memory decisions
-    (checkpointing, MLP and loss tiling, offload; the same for every layer), as the planner's memory
+    (checkpointing, MLP and loss tiling, offload, whether a fully checkpointed layer's tiled MLP keeps
+    its input; the same for every layer), as the planner's memory
     constraints count them: what the memory probe measures."""
     p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout)
     tokens = seq_len / sp
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
-    return decided_peak(graph, tokens, terms, {fp: (checkpoint, mlp_chunks) for fp in graph.layer_classes},
+    choice = {fp: (checkpoint, mlp_chunks, keep_mlp_input) for fp in graph.layer_classes}
+    return decided_peak(graph, tokens, terms, choice,
                         p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset())

@@ -5,9 +5,10 @@ Sets
                Ulysses x ring shape of the hybrid option)
   C            layer classes (structurally identical layers share variables, so the
                model's depth never enlarges the ILP)
-  O_{g,c}      options for class c under g: (attention strategy s, checkpointing k, MLP chunks,
-               offload f), k in {none, selective, full}, f in {0, 1}; strategies whose
-               head/topology constraints fail under g are left out
+  O_{g,c}      options for class c under g: (attention strategy s, checkpointing k, MLP chunks n,
+               MLP input kept i, offload f), k in {none, selective, full}, i, f in {0, 1}
+               (i = 0 only with k = full and n > 1); strategies whose head/topology
+               constraints fail under g are left out
 
 Variables
   x_g      in {0,1}   mesh g is chosen
@@ -40,7 +41,10 @@ that layer its recomputed activations: P_{g,c,f} is the rest of the memory then,
 E_{g,c,o,f} what option o of that one layer holds beyond its share of M (its whole
 recompute under checkpointing, one chunk of a tiled MLP, its strategy's workspace); the
 phases f include those of the class's first layer, where E also removes the other layers' share
-of M — see :func:`autosp.costmodel.memory.peak_terms`.
+of M — see :func:`autosp.costmodel.phases.peak_terms`.
+Under full checkpointing a tiled MLP either recomputes as a region of its own (i = 1: M counts its
+input too, E in its MLP phase one chunk) or with its whole layer (i = 0: M the layer's input alone,
+E in its MLP phase the layer's recomputed tensors beside the chunk); T is the same.
 An offloaded option (f = 1) keeps its layers' saved bytes in host memory: H = count_c x kept, and
 on the device M = kept (the one layer whose copy is in flight), its own backward phases holding its
 kept bytes again (E + kept); its T adds the copies' exposed time, per layer

@@ -60,6 +60,8 @@ def layer_choices(alternative: dict[str, Any]) -> str:
     loss = f"; loss in {alternative['loss_chunks']} chunks" if alternative.get("loss_chunks", 1) > 1 else ""
     return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}"
                      + (f", MLP in {c['mlp_chunks']} chunks" if c.get("mlp_chunks", 1) > 1 else "")
+                     + (" recomputed with the layer" if c.get("mlp_chunks", 1) > 1 and c["checkpoint"] == "full"
+                        and not c.get("keep_mlp_input", True) else "")
                      + (", offloaded" if c.get("offload") else "")
                      for c in alternative["layers"].values()) + loss
 
@@ -81,7 +83,9 @@ def plan_table(plan) -> list:  # -> list of rich renderables
         head.add_row(f"{layer.module_type} x{layer.count}",
                      f"{c.strategy} (Ulysses {layer.ulysses_degree} x ring {layer.ring_degree}), "
                      f"checkpoint {c.checkpoint}, "
-                     + (f"MLP in {c.mlp_chunks} token chunks, " if c.mlp_chunks > 1 else "")
+                     + (f"MLP in {c.mlp_chunks} token chunks"
+                        + ("" if c.mlp_region_of_its_own or c.checkpoint != "full" else " recomputed with the layer")
+                        + ", " if c.mlp_chunks > 1 else "")
                      + ("saved tensors offloaded to host, " if c.offload else "")
                      + f"overlap {layer.overlap}, exposed comm {layer.exposed_comm_s:.3f} s")
     head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")

@@ -1,7 +1,8 @@
 """``autosp.plan``: build the ILP's candidates from the cost model, solve, explain.
 
 Candidates are meshes (SP degree x token layout); under each, every layer class
-may take any (strategy, checkpointing, MLP chunks) option, where the strategies are the
+may take any (strategy, checkpointing, MLP chunks, MLP input kept or recomputed under full
+checkpointing, offload) option, where the strategies are the
 registry's legal candidates for that mesh (:func:`autosp.strategies.candidates`:
 Ulysses, ring, all-gather-KV, every Ulysses x ring shape, ...). The time and
 memory of each option come from :func:`autosp.costmodel.predict`; the ILP
@@ -18,8 +19,8 @@ from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from autosp.costmodel.live_tensors import largest_live
-from autosp.costmodel.memory import (layer_saved, mlp_saved, model_states, first_layer_own, own_bytes, peak_terms,
-                                     strategy_saved)
+from autosp.costmodel.memory import layer_saved, mlp_saved, model_states
+from autosp.costmodel.phases import first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
 from autosp.costmodel.offload import copy_exposed, host_budget, offloaded_own
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
@@ -74,10 +75,14 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             continue
         tokens = seq_len / sp
         tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
-        # per (checkpointing, MLP chunks): what one layer keeps, and holds beyond it in its own backward
-        kept = {(k, c): layer_saved(graph, tokens, k, c) for k in checkpoints for c in mlp_chunks}
-        own = {(fp, k, c): own_bytes(graph, tokens, fp, k, c) for fp in graph.layer_classes
-               for k in checkpoints for c in mlp_chunks}
+        # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
+        # in its own backward
+        memory_choices = [(k, c, keep) for k in checkpoints for c in mlp_chunks
+                          for keep in ((True, False) if k == "full" and c > 1 else (True,))]
+        untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
+        everything = set(memory_choices) | set(untiled)
+        kept = {m: layer_saved(graph, tokens, *m) for m in everything}
+        own = {(fp, *m): own_bytes(graph, tokens, fp, *m) for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
             if seq_len % n_chunks(layout, sp):
@@ -117,27 +122,28 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
                                  "full": p.layer_forward_s + p.attention_fwd_s}
                     d_time, d_exposed = outside[st][0] - base_time, outside[st][1] - base_exposed
-                    for k, chunks, off in itertools.product(checkpoints, mlp_chunks if tileable[fp] else (1,),
-                                                            offloads):
+                    for (k, chunks, keep), off in itertools.product(memory_choices if tileable[fp] else untiled,
+                                                                    offloads):
                         # A tiled MLP recomputes its forward in backward, unless the layer's
                         # full recompute does already; it saves none of its intermediates.
                         again = p.mlp_forward_s if chunks > 1 and k != "full" else 0.0
                         again += lc.count * _chunk_overhead(prof, graph.dtype, chunks, MLP_OPS) / share
 
                         ours = strategy_saved(p.attention_saved[fp], k)
-                        mine = own[(fp, k, chunks)]
-                        one = kept[(k, chunks)][fp] + ours["kept"]         # what one layer keeps
-                        own_phases = {"mlp": mine["mlp"], "rest": mine["rest"] + ours["own"] + p.memory["workspace"]}
+                        one = kept[(k, chunks, keep)][fp] + ours["kept"]         # what one layer keeps
+                        own_phases = with_strategy_own(own[(fp, k, chunks, keep)], ours["own"], p.memory["workspace"],
+                                                       mlp_with_layer=k == "full" and chunks > 1 and not keep)
                         time_s = share * (layer_time[st] + recompute[k] + again + d_time)
+                        choice = LayerChoice(st, k, chunks, offload=off, keep_mlp_input=keep)
                         if not off:
-                            opts.append(Option(key=LayerChoice(st, k, chunks), time_s=time_s,
+                            opts.append(Option(key=choice, time_s=time_s,
                                                mem_bytes=lc.count * one,
                                                exposed_s=share * (p.attention_exposed_s + d_exposed),
                                                sp_exposed_s=share * p.attention_exposed_s,
                                                own_bytes=first_layer_own(own_phases, lc.count, one)))
                             continue
                         copy = copy_exposed(prof, one, p, total_layers, recompute[k] + again)
-                        opts.append(Option(key=LayerChoice(st, k, chunks, offload=True),
+                        opts.append(Option(key=choice,
                                            time_s=time_s + lc.count * copy,
                                            mem_bytes=one,           # the one layer whose copy is in flight
                                            exposed_s=share * (p.attention_exposed_s + d_exposed),

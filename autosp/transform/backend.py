@@ -113,6 +113,11 @@ class SPConfig:
     def offload(self) -> bool | list[bool]:
         return self.decisions.offload
 
+    def mlp_region_of_its_own(self, layer: int) -> bool:
+        """Layer ``layer``'s tiled MLP recomputes as a region of its own (see LayerChoice)."""
+        layers = self.decisions.layers
+        return layers[layer if len(layers) > 1 else 0].mlp_region_of_its_own
+
     @property
     def layout(self) -> str:
         return self.decisions.mesh.layout or "contiguous"
@@ -249,7 +254,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if report.attention and (chunks > 1 if isinstance(chunks, int) else any(c > 1 for c in chunks)):
             report.tiled_mlps = tile_mlps(gm, chunks if isinstance(chunks, int) else chunks.__getitem__,
                                           config.layer_paths, aot=config.compiler != "eager", mode_of=_mode_of(config),
-                                          record=report.mlp_chunks)
+                                          own_region=config.mlp_region_of_its_own, record=report.mlp_chunks)
         report.param_gathers = bucket_gathers(gm, config.layer_paths)
         if report.param_gathers > 1 and config.prefetch_params:
             report.param_prefetched = prefetch_gathers(gm)

@@ -17,7 +17,7 @@ its layer's checkpoint id (``node.meta["recompute"]``, ``["ac_graph_id"]``, the 
 aten ops each node becomes, and its partitioner saves or recomputes accordingly. Under
 ``full`` a layer's output is kept (as the region's output is under torch.utils.checkpoint),
 and with a tiled MLP (:mod:`autosp.transform.tiled_mlp`) the MLP block is a region of its
-own. The user never wraps layers and nothing in torch is replaced process-wide.
+own where ``LayerChoice.keep_mlp_input`` says so. The user never wraps layers and nothing in torch is replaced process-wide.
 """
 
 from __future__ import annotations

@@ -190,12 +190,15 @@ def _mark_second_part(gm: fx.GraphModule, first: fx.Node, split: fx.Node, layer:
 
 
 def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_paths: list[str], *, aot: bool,
-              mode_of: Callable[[int], str] = lambda i: "none", record: dict[int, int] | None = None) -> int:
+              mode_of: Callable[[int], str] = lambda i: "none", own_region: Callable[[int], bool] = lambda i: True,
+              record: dict[int, int] | None = None) -> int:
     """Run every tileable layer child of ``gm`` over ``chunks`` token slices (or ``chunks(layer)``
     for each layer); returns how many were tiled.
 
     ``aot``: tag the chunk calls for AOTAutograd's partitioner (else wrap them in checkpoint);
     ``mode_of(layer)``: the layer's checkpointing (under ``full`` the chunks share its id);
+    ``own_region(layer)``: under ``full``, the MLP block (from the norm before it) recomputes as a
+    region of its own, its input kept, else with the whole layer from the layer's input;
     ``record``: filled with layer index -> chunks, for the report."""
     chunks_of = chunks if callable(chunks) else (lambda layer: chunks)
     tiled = 0
@@ -221,7 +224,8 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
                 call.meta.update(meta)
                 if aot:
                     call.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    call.meta["ac_graph_id"] = 2 * layer + 1 if mode_of(layer) == "full" else \
+                    full = mode_of(layer) == "full"
+                    call.meta["ac_graph_id"] = 2 * layer + int(own_region(layer)) if full else \
                         _CHUNK_ID_BASE + tiled * chunks + c
                 outs.append(call)
             joined = gm.graph.call_function(torch.cat, (outs,), {"dim": dim})
@@ -235,7 +239,8 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
                 joined.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 joined.meta["ac_graph_id"] = _CHUNK_ID_BASE + tiled * chunks + chunks
         out.replace_all_uses_with(joined)
-        _mark_second_part(gm, nodes[0], parts, layer, layer_paths)
+        if mode_of(layer) == "full" and own_region(layer):
+            _mark_second_part(gm, nodes[0], parts, layer, layer_paths)
         if record is not None:
             record[layer] = chunks
         for n in reversed(nodes):
