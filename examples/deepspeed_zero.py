@@ -1,6 +1,7 @@
 """autosp inside DeepSpeed ZeRO: autosp splits the sequence, DeepSpeed reduces and shards.
 
     torchrun --nproc-per-node 4 examples/deepspeed_zero.py      # a 2 x 2 (dp x sp) mesh on CPU
+                                                                # (2 processes: 1 x 2)
 """
 
 import deepspeed
@@ -12,7 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autosp
 
 deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size() // 2, 2),
+                        mesh_dim_names=("dp", "sp"))
 cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
 torch.manual_seed(0)

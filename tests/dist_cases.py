@@ -593,12 +593,14 @@ def inputs_embeds_compare(kind: str = "llama", seq_len: int = 32, steps: int = 2
     return out
 
 
-def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, **cfg: Any) -> list[str]:
-    """The warnings autosp gives over one training step of this model."""
+def warnings_of(kind: str, strategy: str = "auto", seq_len: int = 32, compiler: str = "eager",
+                **cfg: Any) -> list[str]:
+    """The warnings autosp gives over one training step of this model (said where the graphs are
+    sharded, before any compiler runs them: eager graphs by default, the quickest)."""
     import warnings
 
     model = build(kind, **cfg).train()
-    sp = autosp.compile(model, plan=strategy)
+    sp = autosp.compile(model, plan=strategy, runtime=autosp.Runtime(compiler=compiler))
     ids, labels = _batch(0, 1, seq_len, False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -723,10 +723,10 @@ def test_batches_whose_length_changes_every_step_are_planned_per_bucket_and_stay
 
 
 def test_the_planner_plans_each_length_bucket_of_a_changing_stream(pool):
-    res = run_ok(pool, "varying_lengths", lengths=(64, 200, 100, 64, 250), planner="auto")
+    res = run_ok(pool, "varying_lengths", lengths=(64, 200, 64, 250), planner="auto")
     for r in res:
         steps = r["steps"]
         for s in steps:
             assert s["loss_err"] <= LOSS_TOL and s["grad_err"] <= GRAD_TOL, s
-        assert [s["plan_len"] for s in steps] == [64, 256, 128, 64, 256]
-        assert steps[-1]["plans"] == 3 and 1 <= steps[-1]["variants"] <= 3, steps
+        assert [s["plan_len"] for s in steps] == [64, 256, 64, 256]
+        assert [s["plans"] for s in steps] == [1, 2, 2, 2] and 1 <= steps[-1]["variants"] <= 2, steps
