@@ -393,6 +393,19 @@ def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_la
     assert peak_bytes(cand, {fp: kept}) > p.memory_limit_bytes * (1 - p.memory_margin)
 
 
+def test_a_length_that_needs_offload_says_so_in_one_line_when_offload_was_left_out():
+    """2M tokens of Llama-3-8B on 8 H100s fit only with checkpoints in host memory: planned without
+    offload, the refusal names offload as what fits (not more devices), in one line."""
+    g = capture("llama3-8b", seq_len=4096)
+    kw = dict(graph=g, seq_len=2_000_000, world_size=8, profile="h100-sxm", zero_stage=3)
+    with pytest.raises(AutospError) as refused:
+        plan(None, offloads=(False,), **kw)
+    msg = str(refused.value)
+    assert "\n" not in msg and "without offload" in msg and "offloading checkpoints to host memory fits" in msg, msg
+    assert "--no-offload" in msg and "devices" not in msg.split(";")[1], msg
+    assert any(layer.choice.offload for layer in plan(None, **kw).layers)
+
+
 def test_the_plan_names_the_largest_tensors_alive_at_the_peak():
     """What bounds the context, per rank: Llama-3-8B at 128k tokens on 8 devices holds 16,384
     tokens each, and the step's peak (before tiling) is the loss's fp32 [tokens, 128,256] logits;

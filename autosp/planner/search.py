@@ -225,7 +225,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         if not cands:
             raise AutospError(f"no strategy in {', '.join(strategies or ())} can run {g.model_name} on "
                               f"{world_size} devices at {seq_len} tokens; allow more strategies or SP degrees")
-        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin))
+        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin,
+                                           tuple(offloads)))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
     out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, zero_shard,
@@ -331,19 +332,27 @@ def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
 
 
 def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-                     limit: float, margin: float) -> str:
+                     limit: float, margin: float, offloads: tuple[bool, ...] = OFFLOADS) -> str:
+    """One line: what did not fit, and the nearest change that fits (offload where it was left out,
+    a higher ZeRO stage, more devices, a shorter sequence), each tried in the space the caller chose."""
     size = f"{limit / 2 ** 30:.1f} GiB" if limit >= 2 ** 30 else f"{limit / 2 ** 20:.0f} MiB"
     kept = f" ({margin:.0%} of it kept free for the memory model's error)" if margin else ""
+    host = "" if True in offloads or not prof.host_memory_bytes else ", without offload"
     head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each{kept}, "
-            f"with any checkpointing and MLP / loss tiling")
+            f"with any checkpointing and MLP / loss tiling{host}")
     limit = _budget(limit, margin)
+    if host and _fits(g, prof, world, dpn, zero_stage, seq_len, limit, margin, OFFLOADS):
+        return (f"{head}; offloading checkpoints to host memory fits (drop --no-offload; at the first call "
+                f"autosp.Auto(offload=None))")
     for z in range(zero_stage + 1, 4):
-        if _fits(g, prof, world, dpn, z, seq_len, limit):
+        if _fits(g, prof, world, dpn, z, seq_len, limit, margin, offloads):
             return f"{head} with ZeRO stage {zero_stage}; ZeRO stage {z} fits (--zero-stage {z})"
     for w in (2 ** i for i in range(0, 13)):
-        if w > world and _fits(g, prof, w, dpn, max(zero_stage, 3 if zero_stage else 0), seq_len, limit):
+        if w > world and _fits(g, prof, w, dpn, max(zero_stage, 3 if zero_stage else 0), seq_len, limit, margin,
+                               offloads):
             return f"{head}; the smallest power-of-two world that fits is {w} devices"
-    longest = _longest_fitting(lambda s: _fits(g, prof, world, dpn, zero_stage, s, limit), 2 * world, seq_len)
+    longest = _longest_fitting(lambda s: _fits(g, prof, world, dpn, zero_stage, s, limit, margin, offloads),
+                               2 * world, seq_len)
     if longest:
         return f"{head}; the longest sequence that fits is about {longest} tokens"
     return f"{head}, on up to 4096 devices or at any length; raise the memory limit or the ZeRO stage"
@@ -365,7 +374,7 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
         s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget, memory_margin,
                                              offloads), step, upper)
     if not s:
-        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin))
+        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin, offloads))
     return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
                    profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
                    memory_margin=memory_margin, offloads=offloads)
