@@ -660,6 +660,7 @@ def test_offload_with_full_checkpointing_zero_3_and_tiled_mlp_and_loss_is_exact_
             rep = c["report"]
             assert rep["compiler"] == compiler and rep["zero_stage"] == 3
             assert [(a["checkpoint"], a["mlp_chunks"]) for a in rep["attention"]] == [("full", 2)] * 2
+            assert [a["mlp_with_layer"] for a in rep["attention"]] == [compiler == "inductor"] * 2
             fwd, bwd = c["events"].split("|")
             calls = rep["collectives"]
             if compiler == "aot_eager":     # the tiled MLP a region of its own, its input kept

@@ -116,7 +116,8 @@ class SPConfig:
     def mlp_region_of_its_own(self, layer: int) -> bool:
         """Layer ``layer``'s tiled MLP recomputes as a region of its own (see LayerChoice)."""
         layers = self.decisions.layers
-        return layers[layer if len(layers) > 1 else 0].mlp_region_of_its_own
+        # (modulo: the report counts the attention ops of every graph compiled, a recompile's again)
+        return layers[layer % len(layers)].mlp_region_of_its_own
 
     @property
     def layout(self) -> str:

@@ -29,6 +29,9 @@ class AttentionRow:
     checkpoint: str
     overlap: str = "none"          # how its collectives overlap its compute (the strategy says)
     mlp_chunks: int = 1            # token chunks its layer's MLP ran in (1: untiled)
+    # fully checkpointed and tiled: its MLP recomputed with the whole layer from the layer's input
+    # (eager graphs always; compiled, LayerChoice.keep_mlp_input=False), else as a region of its own
+    mlp_with_layer: bool = False
 
 
 @dataclass

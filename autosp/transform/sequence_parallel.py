@@ -155,12 +155,13 @@ class SequenceParallel(nn.Module):
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
             strat = resolve(spec)
             u, r = strat.grid(mesh)
+            mode = modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"
+            nested = mode == "full" and tiled.get(i, 1) > 1 and (
+                self.config.compiler == "eager" or not self.config.mlp_region_of_its_own(i))
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
                 ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
-                checkpoint=modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none",
-                mlp_chunks=tiled.get(i, 1),
-                overlap=strat.overlap))
+                checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
