@@ -362,6 +362,12 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
     assert p.seq_len == tokens > 0 and {layer.choice.checkpoint for layer in p.layers} == {"full"}
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, seq_len=tokens + 2 * world, **kw)
+    # What the plan says bounds it is full: the device's budget at its peaking phase, or the host's.
+    bound = p.predicted["bound_by"]
+    assert bound["bytes"] == p.predicted["peak_bytes"] and "backward" in bound["phase"] or "loss" in bound["phase"]
+    device = bound["bytes"] / (p.memory_limit_bytes * (1 - p.memory_margin))
+    host = bound["host_bytes"] / bound["host_budget"]
+    assert max(device, host) > 0.99 and device <= 1 and host <= 1, bound
 
 
 def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer():

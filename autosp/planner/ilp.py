@@ -220,14 +220,20 @@ def prune(g: Candidate) -> Candidate:
     return Candidate(g.key, g.base_time_s, g.base_mem_bytes, g.base_exposed_s, kept, g.phase_mem_bytes)
 
 
-def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
-    """Predicted peak memory of an assignment on mesh g: the largest of its memory constraints."""
+def phase_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> dict[Hashable, float]:
+    """Predicted memory of an assignment on mesh g per memory constraint: ``"loss"`` and each
+    (class, phase) of a layer's backward."""
     opts = {c: next(o for o in g.options[c] if o.key == k) for c, k in choice.items()}
     shared = sum(o.mem_bytes for o in opts.values())
-    peaks = [g.base_mem_bytes + shared]
+    out: dict[Hashable, float] = {"loss": g.base_mem_bytes + shared}
     for (cls, phase), base in g.phase_mem_bytes.items():
-        peaks.append(base + shared + opts[cls].own_bytes.get(phase, 0.0))
-    return max(peaks)
+        out[(cls, phase)] = base + shared + opts[cls].own_bytes.get(phase, 0.0)
+    return out
+
+
+def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
+    """Predicted peak memory of an assignment on mesh g: the largest of its memory constraints."""
+    return max(phase_bytes(g, choice).values())
 
 
 def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float, host_limit: float = 0.0) -> bool:

@@ -101,9 +101,14 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
                                          f"{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
+    bound = pr.get("bound_by")
+    if bound:
+        head.add_row("  peaks in", f"{bound['phase']}")
     if pr.get("host_bytes"):
-        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded (the node's host memory "
-                                             f"is shared by its {min(plan.world_size, plan.devices_per_node)} ranks)")
+        budget = f" of {human(bound['host_budget'], 'B')} it may take" if bound and bound.get("host_budget") else ""
+        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded{budget} (the node's host "
+                                             f"memory is shared by its {min(plan.world_size, plan.devices_per_node)} "
+                                             f"ranks)")
     for t in pr.get("largest_live", [])[:4]:
         where = f"layer {t['layer']}" if t["layer"] is not None else "outside the layers"
         op = t["target"].removeprefix("aten.").removesuffix(".default")

@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 from autosp.costmodel.live_tensors import largest_live
 from autosp.costmodel.memory import layer_saved, mlp_saved, model_states
-from autosp.costmodel.phases import first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
+from autosp.costmodel.phases import FIRST, first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
 from autosp.costmodel.offload import copy_exposed, host_budget, offloaded_own
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
-from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, solve, solve_k_best
+from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, phase_bytes, solve, solve_k_best
 from autosp.planner.plan import LayerPlan, Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
 from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
@@ -281,12 +281,30 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                  "saved_by": saved_by,
                  # what bounds the context: the captured step's largest tensors at its peak, per rank,
                  # before checkpointing and tiling (the decisions above shrink some of them)
-                 "largest_live": largest_live(g, seq_len / sp, full=seq_len)}
+                 "largest_live": largest_live(g, seq_len / sp, full=seq_len),
+                 "bound_by": _bound_by(g, cands[sol.mesh], sol, host_budget(prof, world, dpn, margin)
+                                       if prof.host_memory_bytes else 0.0)}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, dp_degree=world // sp, mesh=sol.mesh,
                 layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
                 memory_margin=margin, zero_stage=zero_stage,
                 alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts], solver=solver)
+
+
+def _bound_by(g: OpGraph, cand: Candidate, sol: Solution, host_limit: float) -> dict[str, Any]:
+    """Where the plan's device memory peaks (the constraint closest to the limit: what bounds a
+    longer context), and how much of the host's budget its offloaded layers take."""
+    phases = phase_bytes(cand, sol.choice)
+    key = max(phases, key=phases.__getitem__)
+    if key == "loss":
+        where = "the LM head and loss"
+    else:
+        fp, phase = key
+        part = "its MLP" if phase.startswith("mlp") else "the rest (attention)"
+        first = ", the first layer (its class's others done)" if phase.endswith(FIRST) else ""
+        where = f"a {g.layer_classes[fp].module_type}'s backward, {part}{first}"
+    host = sum(next(o for o in cand.options[fp] if o.key == k).host_bytes for fp, k in sol.choice.items())
+    return {"phase": where, "bytes": phases[key], "host_bytes": host, "host_budget": host_limit}
 
 
 def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
