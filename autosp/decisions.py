@@ -63,6 +63,11 @@ class LayerChoice:
         """A fully checkpointed layer's tiled MLP recomputes as a region of its own (input kept)."""
         return self.checkpoint == "full" and self.mlp_chunks > 1 and self.keep_mlp_input
 
+    @property
+    def mlp_with_layer(self) -> bool:
+        """A fully checkpointed layer's tiled MLP recomputes with the whole layer (input not kept)."""
+        return self.checkpoint == "full" and self.mlp_chunks > 1 and not self.keep_mlp_input
+
 
 @dataclass(frozen=True)
 class MeshChoice:

@@ -24,6 +24,7 @@ is resident is what is allocated. On ``aot_eager`` the two agree within 5% (see 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import os
 import threading
 import time
@@ -51,9 +52,9 @@ def tiny(layers: int = 2):
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def resident_step_peak(step) -> int:
-    """Peak resident bytes that ``step()`` adds (the lowest of 3 runs: the sampler misses no peak
-    that lasts longer than its period, and page-cache noise only adds)."""
+def resident_step_peak(step) -> tuple[Any, int]:
+    """(what the last ``step()`` returned, the peak resident bytes a step adds: the lowest of 3 runs;
+    the sampler misses no peak that lasts longer than its period, and page-cache noise only adds)."""
     import gc
 
     page = os.sysconf("SC_PAGE_SIZE")
@@ -76,12 +77,12 @@ def resident_step_peak(step) -> int:
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
-            step()
+            result = step()
         finally:
             done.set()
             sampler.join()
         peaks.append(peak[0] - base)
-    return min(peaks)
+    return result, min(peaks)
 
 
 def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: list | None = None,
@@ -106,10 +107,12 @@ def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: l
         sp(input_ids=ids, labels=ids).loss.backward()                 # compile outside the probe
         model.zero_grad(set_to_none=True)
         if compiler == "inductor":
-            def step() -> None:
-                sp(input_ids=ids, labels=ids).loss.backward()
+            def step() -> torch.Tensor:
+                loss = sp(input_ids=ids, labels=ids).loss
+                loss.backward()
                 model.zero_grad(set_to_none=True)
-            loss, peak = sp(input_ids=ids, labels=ids).loss.detach(), resident_step_peak(step)
+                return loss.detach()
+            loss, peak = resident_step_peak(step)
         else:
             loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
         rows.append(dict(checkpoint=checkpoint, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, peak=peak,

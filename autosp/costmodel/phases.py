@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from autosp.costmodel.memory import layer_saved, mlp_saved
+from autosp.decisions import LayerChoice
 from autosp.graph import OpGraph, OpKind, evaluate
 
 
@@ -54,10 +55,6 @@ def peak_terms(graph: OpGraph, tokens: float, phases: dict[str, Any], nonstep: f
             out[(fp, "mlp" + FIRST)] = nonstep + d["mlp"] - s_none[fp]
             out[(fp, "rest" + FIRST)] = nonstep + d["rest"] + workspace - s_none[fp]
     return out
-
-
-def _mlp_with_layer(checkpoint: str, mlp_chunks: int, keep_mlp_input: bool = True) -> bool:
-    return checkpoint == "full" and mlp_chunks > 1 and not keep_mlp_input
 
 
 FIRST = "@first"     # suffix of the phases of a class's first layer (see peak_terms)
@@ -139,7 +136,8 @@ def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice:
         if key != "loss":
             fp, phase = key
             own = with_strategy_own(own_bytes(graph, tokens, fp, *choice[fp]), extra[fp]["own"], 0.0,
-                                    _mlp_with_layer(*choice[fp]))
+                                    LayerChoice(**dict(zip(("checkpoint", "mlp_chunks", "keep_mlp_input"),
+                                                           choice[fp]))).mlp_with_layer)
             own = offloaded_own(own, kept[fp]) if fp in offloaded else \
                 first_layer_own(own, graph.layer_classes[fp].count, kept[fp])
             peaks.append(base + shared + own[phase])

@@ -131,10 +131,10 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
 
                         ours = strategy_saved(p.attention_saved[fp], k)
                         one = kept[(k, chunks, keep)][fp] + ours["kept"]         # what one layer keeps
-                        own_phases = with_strategy_own(own[(fp, k, chunks, keep)], ours["own"], p.memory["workspace"],
-                                                       mlp_with_layer=k == "full" and chunks > 1 and not keep)
-                        time_s = share * (layer_time[st] + recompute[k] + again + d_time)
                         choice = LayerChoice(st, k, chunks, offload=off, keep_mlp_input=keep)
+                        own_phases = with_strategy_own(own[(fp, k, chunks, keep)], ours["own"], p.memory["workspace"],
+                                                       choice.mlp_with_layer)
+                        time_s = share * (layer_time[st] + recompute[k] + again + d_time)
                         if not off:
                             opts.append(Option(key=choice, time_s=time_s,
                                                mem_bytes=lc.count * one,
@@ -282,8 +282,8 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                  # what bounds the context: the captured step's largest tensors at its peak, per rank,
                  # before checkpointing and tiling (the decisions above shrink some of them)
                  "largest_live": largest_live(g, seq_len / sp, full=seq_len),
-                 "bound_by": _bound_by(g, cands[sol.mesh], sol, host_budget(prof, world, dpn, margin)
-                                       if prof.host_memory_bytes else 0.0)}
+                 "bound_by": _bound_by(g, cands[sol.mesh], sol, main["host_bytes"],
+                                       host_budget(prof, world, dpn, margin) if prof.host_memory_bytes else 0.0)}
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=world, devices_per_node=dpn, dp_degree=world // sp, mesh=sol.mesh,
                 layers=layers, predicted=predicted, profile=prof.name, memory_limit_bytes=limit,
@@ -291,7 +291,7 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
                 alternatives=[_summary(g, prof, a, cands[a.mesh], seq_len) for a in alts], solver=solver)
 
 
-def _bound_by(g: OpGraph, cand: Candidate, sol: Solution, host_limit: float) -> dict[str, Any]:
+def _bound_by(g: OpGraph, cand: Candidate, sol: Solution, host: float, host_limit: float) -> dict[str, Any]:
     """Where the plan's device memory peaks (the constraint closest to the limit: what bounds a
     longer context), and how much of the host's budget its offloaded layers take."""
     phases = phase_bytes(cand, sol.choice)
@@ -303,7 +303,6 @@ def _bound_by(g: OpGraph, cand: Candidate, sol: Solution, host_limit: float) -> 
         part = "its MLP" if phase.startswith("mlp") else "the rest (attention)"
         first = ", the first layer (its class's others done)" if phase.endswith(FIRST) else ""
         where = f"a {g.layer_classes[fp].module_type}'s backward, {part}{first}"
-    host = sum(next(o for o in cand.options[fp] if o.key == k).host_bytes for fp, k in sol.choice.items())
     return {"phase": where, "bytes": phases[key], "host_bytes": host, "host_budget": host_limit}
 
 
