@@ -88,6 +88,7 @@ class AutoPlanner:
         self.cache_path: str | None = None
         self.zero_stage = zero_stage            # what the runtime applies: its memory is planned for
         self.offloads = offloads                # whether layers may keep saved tensors in host memory
+        self.compiler: str | None = None        # what runs the step (set by the wrapper): its memory differs
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
                  documents: tuple[int, ...] = ()) -> Any:
@@ -140,7 +141,7 @@ class AutoPlanner:
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
                f"m{int(limit) >> 20}-z{self.zero_stage}-{modes}{docs}{f'-n{dpn}' if dpn else ''}"
-               f"{'' if self.overlap else '-serial'}.json")
+               f"{'' if self.overlap else '-serial'}-{self.compiler or 'inductor'}.json")
         path = os.path.join(_cache_dir(), key)
         self.cache_path = path
         if self.cache and os.path.exists(path):
@@ -148,7 +149,8 @@ class AutoPlanner:
         p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
                  devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
-                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0, offloads=self.offloads)
+                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0, offloads=self.offloads,
+                 compiler=self.compiler or "inductor")
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

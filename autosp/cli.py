@@ -103,10 +103,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
     common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
                   profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype,
-                  offloads=(False,) if args.no_offload else (False, True),
+                  offloads=(False,) if args.no_offload else (False, True), compiler=args.compiler,
                   **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
-        from autosp.planner.search import max_seq_len
+        from autosp.planner.longest import max_seq_len
 
         if args.no_overlap:
             raise AutospError("--no-overlap plans one sequence length; drop it with --max-seq-len, or give "
@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offload", action="store_true",
                    help="keep every layer's saved tensors on the device (by default the planner may offload them "
                         "to host memory where the profile has it)")
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                   help="what will run the step (default Inductor, autosp's; it fuses pointwise chains, so "
+                        "the others need more memory)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("explain", help="run one SP training step on local CPU processes and show what autosp did")

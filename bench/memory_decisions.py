@@ -12,7 +12,9 @@ the peak bytes of the tensors allocated during one training step
 (``autosp.tools.memory_probe``, the allocator's view; Inductor's kernels bypass it, hence
 ``aot_eager``, which partitions forward and backward the same way). Predicted: the cost
 model's step peak for the same decisions (:func:`autosp.costmodel.predict.step_peak`), the
-quantity the planner's memory constraint adds model states to.
+quantity the planner's memory constraint adds model states to; for Inductor, with the pointwise
+chains it fuses never written (:mod:`autosp.costmodel.fusion`). ``--dtype bfloat16`` runs the
+model in bf16, where that matters most (the norms' fp32 upcasts).
 
 ``--compiler inductor``: Inductor's kernels allocate outside the dispatcher, so the probe cannot
 see them; the bench then measures the process's resident memory instead (sampled every 0.2 ms
@@ -40,7 +42,7 @@ def _keeps_input(decision: tuple) -> bool:
     return len(decision) < 4 or decision[3] == "kept"
 
 
-def tiny(layers: int = 2):
+def tiny(layers: int = 2, dtype: str = "float32"):
     import torch
     import transformers
 
@@ -49,7 +51,7 @@ def tiny(layers: int = 2):
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
                                    attn_implementation="sdpa")
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
 
 
 def resident_step_peak(step) -> tuple[Any, int]:
@@ -86,7 +88,7 @@ def resident_step_peak(step) -> tuple[Any, int]:
 
 
 def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: list | None = None,
-            layers: int = 2) -> list[dict]:
+            layers: int = 2, dtype: str = "float32") -> list[dict]:
     import torch
 
     import autosp
@@ -99,7 +101,7 @@ def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: l
     for decision in decisions or DECISIONS:
         checkpoint, mlp_chunks, loss_chunks = decision[:3]
         torch._dynamo.reset()
-        model = tiny(layers)
+        model = tiny(layers, dtype)
         sp = autosp.compile(model, plan=autosp.Decisions.of(strategy=strategy, checkpoint=checkpoint, mlp_chunks=mlp_chunks,
                                                             keep_mlp_input=_keeps_input(decision),
                                                             mesh=autosp.MeshChoice(loss_chunks=loss_chunks)),
@@ -127,6 +129,8 @@ def main() -> None:
     ap.add_argument("--compiler", default="aot_eager")
     ap.add_argument("--strategy", default="ulysses", help="what SP > 1 runs")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="bfloat16: the norms' fp32 upcasts, which Inductor fuses away")
     ap.add_argument("--decisions", nargs="*", default=None,
                     help="a subset, as checkpoint/mlp_chunks/loss_chunks (e.g. selective/8/8)")
     args = ap.parse_args()
@@ -140,19 +144,19 @@ def main() -> None:
     from autosp.costmodel.profile import load_profile
     from autosp.graph import capture
 
-    graph = capture(tiny(args.layers), seq_len=args.seq_len, dtype="float32")
+    graph = capture(tiny(args.layers, args.dtype), seq_len=args.seq_len, dtype=args.dtype)
     prof = load_profile("cpu-gloo")
-    print(f"tiny Llama, {args.layers} layers, {args.seq_len} tokens, {args.strategy}, {args.compiler}; "
+    print(f"tiny Llama, {args.layers} layers, {args.dtype}, {args.seq_len} tokens, {args.strategy}, {args.compiler}; "
           "per-rank step peak\n")
     print("| SP | checkpoint | MLP chunks | MLP input | loss chunks | measured | predicted | predicted / measured |")
     print("|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for sp in args.degrees:
         for r in spawn_gloo(measure, sp, threads=1, seq_len=args.seq_len, compiler=args.compiler,
-                            strategy=args.strategy, decisions=decisions, layers=args.layers):
+                            strategy=args.strategy, decisions=decisions, layers=args.layers, dtype=args.dtype):
             pred = step_peak(graph, prof, sp=sp, strategy=args.strategy, seq_len=args.seq_len,
                              checkpoint=r["checkpoint"], mlp_chunks=r["mlp_chunks"], loss_chunks=r["loss_chunks"],
-                             keep_mlp_input=r["keep_mlp_input"])
+                             keep_mlp_input=r["keep_mlp_input"], fused=args.compiler == "inductor")
             worst = max(worst, abs(pred / r["peak"] - 1))
             tiled_full = r["checkpoint"] == "full" and r["mlp_chunks"] > 1
             mlp_input = ("kept" if r["keep_mlp_input"] else "recomputed") if tiled_full else "-"

@@ -374,10 +374,12 @@ def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
     from autosp.graph import capture
     from autosp.planner.search import plan
 
+    from autosp.transform.backend import default_compiler
+
     world = dist.get_world_size()
     graph = capture(build("llama"), seq_len=seq_len, batch_size=2, dtype="float32")
     peak = {k: plan(None, graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo",
-                    sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,),
+                    sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler("contiguous"),
                     memory_limit=float("inf")).predicted["peak_bytes"]
             for k in ("none", "full")}
     limit = (peak["none"] + peak["full"]) / 2
@@ -544,6 +546,8 @@ def auto_plan_compare(kind: str = "llama", cache_dir: str = "", **cfg: Any) -> d
     out = train_compare(kind, seq_len=64, steps=2, plan="auto", **cfg)
     files = os.listdir(os.path.join(cache_dir, "autosp", "plans"))
     out["cached"] = files
+    # the compiler the plan's memory was costed for: the one the wrapper runs (Inductor fuses)
+    out["plan_compiler"] = autosp.Plan.load(os.path.join(cache_dir, "autosp", "plans", files[0])).predicted["compiler"]
     return out
 
 

@@ -114,6 +114,12 @@ def test_cli_plan_json(capsys, tmp_path):
     assert doc["world_size"] == 4 and doc["mesh"]["sp_degree"] * doc["dp_degree"] == 4
     assert doc["predicted"]["total_s"] > 0 and doc["alternatives"]
     assert json.loads(out.read_text())["fingerprint"] == doc["fingerprint"]
+    assert doc["predicted"]["compiler"] == "inductor"               # the default, what users run
+    # the table says which compiler its memory was costed for; an unknown one is refused by name
+    assert main(["plan", "--model", "tiny", "--seq-len", "8192", "--world-size", "4", "--compiler", "aot_eager"]) == 0
+    assert "compiled by aot_eager" in capsys.readouterr().out
+    with pytest.raises(AutospError, match="unknown compiler 'tvm'"):
+        plan("tiny", seq_len=8192, world_size=4, compiler="tvm")
 
 
 def test_cli_plans_without_overlap_for_comparison(capsys):
@@ -354,7 +360,7 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
     failed to plan the length it found. ZeRO 3 now applies full checkpointing (its gathers are
     recomputed with the layer): the length found comes with its plan, which checkpoints fully,
     and one step longer is refused."""
-    from autosp.planner.search import max_seq_len
+    from autosp.planner.longest import max_seq_len
 
     g = capture(model, seq_len=4096)
     kw = dict(graph=g, world_size=world, profile="h100-sxm", zero_stage=3, devices_per_node=8)
@@ -368,6 +374,26 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
     device = bound["bytes"] / (p.memory_limit_bytes * (1 - p.memory_margin))
     host = bound["host_bytes"] / bound["host_budget"]
     assert max(device, host) > 0.99 and device <= 1 and host <= 1, bound
+
+
+def test_llama3_8b_trains_4m_tokens_on_8_h100s_and_16m_on_32_through_inductor():
+    """The long-context targets (ALST: 3.7M on 8 H100s, 15M on 32): through Inductor, which never
+    writes the bf16 norms' fp32 copies, Llama-3-8B under ZeRO 3 fits 4M tokens on one node and 16M on
+    four, each layer fully checkpointed with its tiled MLP recomputed with it and its input in host
+    memory. Planned for aot_eager, which writes those copies, the same 8 GPUs stop short of 4M."""
+    from autosp.planner.longest import max_seq_len
+
+    g = capture("llama3-8b", seq_len=4096)
+    for world, target in ((8, 4_000_000), (32, 16_000_000)):
+        p = plan(None, graph=g, seq_len=target, world_size=world, profile="h100-sxm", zero_stage=3,
+                 devices_per_node=8)
+        c = p.layers[0].choice
+        assert (p.sp_degree, c.checkpoint, c.mlp_chunks > 1, c.keep_mlp_input, c.offload) == \
+            (world, "full", True, False, True), (world, c)
+        assert p.predicted["compiler"] == "inductor" and p.predicted["host_bytes"] > 0
+        assert p.predicted["peak_bytes"] <= p.memory_limit_bytes * (1 - p.memory_margin)
+    unfused, q = max_seq_len(None, graph=g, world_size=8, profile="h100-sxm", zero_stage=3, compiler="aot_eager")
+    assert 3_000_000 < unfused < 4_000_000 and q.predicted["compiler"] == "aot_eager"
 
 
 def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer():

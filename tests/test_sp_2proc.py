@@ -443,9 +443,11 @@ def test_saved_plan_is_applied_exactly_and_refused_when_it_does_not_match(pool, 
 def test_auto_plan_is_exact_and_cached(pool, tmp_path):
     for r in run_ok(pool, "auto_plan_compare", cache_dir=str(tmp_path), heads=4, kv=2):
         check_exact([r])
-        # keyed by profile, memory budget (MiB), the checkpointing modes and MLP / loss chunks it could choose
+        # keyed by profile, memory budget (MiB), the checkpointing modes and MLP / loss chunks it could
+        # choose, and the compiler its memory was costed for: the pool's, which the wrapper passed on
         assert r["plan_layers"] and r["cached"] and "-cpu-gloo-m" in r["cached"][0]
-        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-l1-8-64-256.json"), r["cached"]
+        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-l1-8-64-256-aot_eager.json"), r["cached"]
+        assert r["plan_compiler"] == "aot_eager"
 
 
 def test_a_strategy_registered_from_a_test_runs_forced_and_planned(pool):

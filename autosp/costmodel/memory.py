@@ -53,16 +53,21 @@ def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) ->
 
 
 def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
-                  full: float | None = None) -> tuple[float, float, float]:
+                  full: float | None = None, fused: bool = False) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
     while an attention op runs), with sizes at ``tokens`` per rank; ``phases`` is
     filled with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions
-    change differently."""
+    change differently; ``fused``: as Inductor runs it, the pointwise chains it fuses never
+    written (:func:`autosp.costmodel.fusion.fused_away`)."""
+    from autosp.costmodel.fusion import fused_away
+
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
         graph.memo["liveness"] = lifetimes(graph)
     order, ops, base, last, frees = graph.memo["liveness"]
+    gone = fused_away(graph) if fused else frozenset()
     # one every rank makes whole from positions alone (a mask, rotary tables) at the ``full`` length
-    size = {b: evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens) for b in last}
+    size = {b: 0.0 if b in gone else evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens)
+            for b in last}
     end = len(order)
     grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0

@@ -130,7 +130,8 @@ def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dt
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
             layout: str | None = None, seq_len: int | None = None, dp: int = 1, zero_stage: int = 0,
             reduce_grads: bool = True, devices_per_node: int | None = None,
-            documents: tuple[int, ...] = (), overlap: bool = True, zero_shard: int = 0) -> Prediction:
+            documents: tuple[int, ...] = (), overlap: bool = True, zero_shard: int = 0,
+            fused: bool = False) -> Prediction:
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
         raise AutospError(f"sequence length {S} is not divisible by the SP degree {sp}; pad it to "
@@ -218,7 +219,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     p.gradient_exposed_s = gradient_exposed
     p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
     p.phases = {}
-    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard)
+    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard, fused)
     p.peak_bytes = p.memory["peak"]
     p.model_flops = graph.total_flops(S) / sp          # per device: its share of one sequence
     p.total_s = p.compute_s + p.exposed_comm_s
@@ -288,10 +289,10 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
 
 
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,
-            phases: dict, zero_shard: int = 0) -> dict[str, float]:
+            phases: dict, zero_shard: int = 0, fused: bool = False) -> dict[str, float]:
     states = model_states(graph, sp * dp, zero_stage, zero_shard)
     s_loc = S / sp
-    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S)
+    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S, fused=fused)
     extra_layers = untraced_layer_activations(graph, s_loc)
     # The strategy's buffers exist only around attention: they raise the peak only if the
     # schedule is near its peak there (the peak is often at the loss, where they are gone).
@@ -320,14 +321,15 @@ def zero3_transient(graph: OpGraph) -> float:
 
 def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,
               checkpoint: str = "none", mlp_chunks: int = 1, loss_chunks: int = 1, layout: str | None = None,
-              offload: bool = False, keep_mlp_input: bool = True) -> float:
+              offload: bool = False, keep_mlp_input: bool = True, fused: bool = False) -> float:
     """Predicted peak bytes allocated during one step on one device, under the memory decisions
     (checkpointing, MLP and loss tiling, offload, whether a fully checkpointed layer's tiled MLP keeps
     its input; the same for every layer), as the planner's memory
-    constraints count them: what the memory probe measures."""
-    p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout)
+    constraints count them: what the memory probe measures (``fused``: as Inductor runs the step,
+    :mod:`autosp.costmodel.fusion`; else as ``aot_eager`` does)."""
+    p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout, fused=fused)
     tokens = seq_len / sp
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
     choice = {fp: (checkpoint, mlp_chunks, keep_mlp_input) for fp in graph.layer_classes}
     return decided_peak(graph, tokens, terms, choice,
-                        p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset())
+                        p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset(), fused)

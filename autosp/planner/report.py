@@ -101,6 +101,8 @@ def plan_table(plan) -> list:  # -> list of rich renderables
     head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
                                          f"{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
+    if pr.get("compiler"):          # its memory differs: Inductor never writes a bf16 model's fp32 copies
+        head.add_row("  costed for", f"the step compiled by {pr['compiler']} (--compiler)")
     bound = pr.get("bound_by")
     if bound:
         head.add_row("  peaks in", f"{bound['phase']}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import warnings
 from dataclasses import asdict, replace
 from typing import Any, Callable
 
@@ -56,8 +55,9 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      documents: tuple[int, ...] = (), overlap: bool = True,
                      mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
                      loss_chunks: tuple[int, ...] = LOSS_CHUNKS, zero_shard: int = 0,
-                     offloads: tuple[bool, ...] = OFFLOADS) -> tuple[list[Candidate], dict]:
-    """The ILP's meshes and options; ``strategies`` restricts the strategy families, ``mlp_chunks``
+                     offloads: tuple[bool, ...] = OFFLOADS, fused: bool = True) -> tuple[list[Candidate], dict]:
+    """The ILP's meshes and options (``fused``: as Inductor runs the step, :mod:`autosp.costmodel.fusion`);
+    ``strategies`` restricts the strategy families, ``mlp_chunks``
     the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled),
     ``offloads`` whether layers may keep their saved tensors in host memory (only where the profile
     has host memory to offload into)."""
@@ -82,7 +82,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)
         kept = {m: layer_saved(graph, tokens, *m) for m in everything}
-        own = {(fp, *m): own_bytes(graph, tokens, fp, *m) for fp in graph.layer_classes for m in everything}
+        own = {(fp, *m): own_bytes(graph, tokens, fp, *m, fused=fused)
+               for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
             if seq_len % n_chunks(layout, sp):
@@ -95,7 +96,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                 by_layout[layout] = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len,
                                                       dp=world // sp, zero_stage=zero_stage, devices_per_node=dpn,
                                                       documents=documents, overlap=overlap,
-                                                      zero_shard=zero_shard) for st in strats}
+                                                      zero_shard=zero_shard, fused=fused) for st in strats}
             ps = by_layout[layout]
             first = ps[strats[0].spec]
             layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
@@ -174,7 +175,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
          overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
          loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN,
-         zero_shard: int | None = None, offloads: tuple[bool, ...] = OFFLOADS) -> Plan:
+         zero_shard: int | None = None, offloads: tuple[bool, ...] = OFFLOADS, compiler: str = "inductor") -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
     The plan's predicted peak stays within ``memory_limit`` x (1 - ``memory_margin``): the margin
@@ -189,7 +190,10 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     ``zero_shard`` (ZeRO 3): 0 shards parameters over every rank, k over each k ranks (HSDP);
     ``None`` (default) lets the planner choose between the whole mesh and one node where the
     world spans several: within a node the gathers stay on the node's fast links, at k / N of
-    the memory savings."""
+    the memory savings. ``compiler``: what will run the step (Inductor, the default, never writes a
+    bf16 model's fp32 copies, which "aot_eager" and "eager" do)."""
+    if compiler not in ("inductor", "aot_eager", "eager"):
+        raise AutospError(f"unknown compiler '{compiler}'; plan for 'inductor', 'aot_eager' or 'eager'")
     if world_size < 1:
         raise AutospError(f"world size must be at least 1, got {world_size}")
     if zero_stage not in (0, 1, 2, 3):
@@ -212,7 +216,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         t0 = time.perf_counter()
         cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
                                         strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
-                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads))
+                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads),
+                                        fused=compiler == "inductor")
         t_cost += time.perf_counter() - t0
         t1 = time.perf_counter()
         host = host_budget(prof, world_size, dpn, memory_margin)
@@ -225,8 +230,10 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         if not cands:
             raise AutospError(f"no strategy in {', '.join(strategies or ())} can run {g.model_name} on "
                               f"{world_size} devices at {seq_len} tokens; allow more strategies or SP degrees")
+        from autosp.planner.longest import _infeasible_hint   # it searches with plan's own feasibility
+
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin,
-                                           tuple(offloads)))
+                                           tuple(offloads), compiler == "inductor"))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
     out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, zero_shard,
@@ -234,6 +241,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
                    {"status": sol.status, "candidates": len(cands), "cost_s": t_cost, "solve_s": t_solve,
                     "solves": len(ranked),
                     "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
+    out.predicted["compiler"] = compiler        # what the memory model assumed runs the step
     if documents:
         out.predicted["documents"] = list(documents)        # what the attention costs assumed
     return out
@@ -327,71 +335,3 @@ def _what_each_saves(cands: dict, sol: Solution) -> dict[str, float]:
     if sol.mesh.loss_chunks > 1 and whole in cands:
         out["loss chunks"] = peak_bytes(cands[whole], sol.choice) - sol.mem_bytes
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-          limit: float, margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS) -> bool:
-    """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, offloads=offloads)
-    return bool(cands) and solve(cands, limit, host_limit=host_budget(prof, world, dpn, margin)) is not None
-
-
-def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
-    """The largest multiple of ``step`` up to ``upper`` that fits (fitting is monotone in length), or 0."""
-    lo, hi, best = 1, upper // step, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(mid * step):
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best * step
-
-
-def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-                     limit: float, margin: float, offloads: tuple[bool, ...] = OFFLOADS) -> str:
-    """One line: what did not fit, and the nearest change that fits (offload where it was left out,
-    a higher ZeRO stage, more devices, a shorter sequence), each tried in the space the caller chose."""
-    size = f"{limit / 2 ** 30:.1f} GiB" if limit >= 2 ** 30 else f"{limit / 2 ** 20:.0f} MiB"
-    kept = f" ({margin:.0%} of it kept free for the memory model's error)" if margin else ""
-    host = "" if True in offloads or not prof.host_memory_bytes else ", without offload"
-    head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each{kept}, "
-            f"with any checkpointing and MLP / loss tiling{host}")
-    limit = _budget(limit, margin)
-    if host and _fits(g, prof, world, dpn, zero_stage, seq_len, limit, margin, OFFLOADS):
-        return (f"{head}; offloading checkpoints to host memory fits (drop --no-offload; at the first call "
-                f"autosp.Auto(offload=None))")
-    for z in range(zero_stage + 1, 4):
-        if _fits(g, prof, world, dpn, z, seq_len, limit, margin, offloads):
-            return f"{head} with ZeRO stage {zero_stage}; ZeRO stage {z} fits (--zero-stage {z})"
-    for w in (2 ** i for i in range(0, 13)):
-        if w > world and _fits(g, prof, w, dpn, max(zero_stage, 3 if zero_stage else 0), seq_len, limit, margin,
-                               offloads):
-            return f"{head}; the smallest power-of-two world that fits is {w} devices"
-    longest = _longest_fitting(lambda s: _fits(g, prof, world, dpn, zero_stage, s, limit, margin, offloads),
-                               2 * world, seq_len)
-    if longest:
-        return f"{head}; the longest sequence that fits is about {longest} tokens"
-    return f"{head}, on up to 4096 devices or at any length; raise the memory limit or the ZeRO stage"
-
-
-def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per_node: int | None = None,
-                profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
-                dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 26,
-                memory_margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS) -> tuple[int, Plan]:
-    """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan."""
-    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
-    dpn = devices_per_node or prof.devices_per_node
-    limit = memory_limit or prof.memory_bytes
-    step = 2 * world_size
-    g = graph if graph is not None else capture(model, seq_len=step * 64, batch_size=batch_size, dtype=dtype)
-    with warnings.catch_warnings():             # probes far beyond any answer extrapolate tables
-        warnings.simplefilter("ignore")         # sizes are symbolic: no re-capture per probe
-        budget = _budget(limit, memory_margin)
-        s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget, memory_margin,
-                                             offloads), step, upper)
-    if not s:
-        raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin, offloads))
-    return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
-                   profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
-                   memory_margin=memory_margin, offloads=offloads)

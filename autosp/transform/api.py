@@ -68,6 +68,8 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
                           "(the caller reduces them) contradicts it: pass one of the two")
     layout = layout_for(strategies, decisions.mesh.layout)
     compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler(layout))
+    if provider is not None and hasattr(provider, "compiler") and provider.compiler is None:
+        provider.compiler = compiler        # the planner's memory model depends on it (Inductor fuses)
     if layout == "balanced" and compiler != "eager":
         raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
                           "first batch; use runtime=autosp.Runtime(compiler='eager') with it, or layout='zigzag'")
