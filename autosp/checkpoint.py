@@ -3,6 +3,7 @@
     autosp.checkpoint.save(sp, opt, "ckpt/step-100", step=100)
     ...
     extra = autosp.checkpoint.load(sp, opt, "ckpt/step-100")     # {"step": 100}
+    path = autosp.checkpoint.latest("ckpt")      # after a restart: the newest complete one, or None
 
 The model's keys are the plain model's (``model.layers.0.self_attn.q_proj.weight``, no
 wrapper prefix), so the checkpoint also loads without autosp:
@@ -62,3 +63,25 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -
     set_state_dict(module, opt if opt is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     return state["extra"]
+
+
+
+def latest(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (the directories ``save`` wrote there), or
+    None. A rank killed while saving leaves a directory without DCP's ``.metadata``, which the
+    coordinator writes last: skipped, so a restart resumes from the last checkpoint every rank
+    finished. Newest by the ``step`` saved with it (``save(..., step=N)``), else by name."""
+    import os
+
+    if not os.path.isdir(root):
+        return None
+    done = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".metadata")))
+
+    def step(path: str) -> int:
+        if "extra.step" not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+            return -1
+        state = {"extra": {"step": None}}
+        dcp.load(state, checkpoint_id=path, no_dist=True)      # a read of one value: every rank alone
+        return int(state["extra"]["step"])
+
+    return max(done, key=step, default=None)

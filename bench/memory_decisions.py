@@ -59,11 +59,20 @@ def resident_step_peak(step) -> tuple[Any, int]:
     the sampler misses no peak that lasts longer than its period, and page-cache noise only adds)."""
     import gc
 
-    page = os.sysconf("SC_PAGE_SIZE")
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
 
     def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * page
+        """Bytes malloc has handed out and not taken back (its arenas' in-use blocks and its mapped
+        ones): the allocator's view, which pages the kernel keeps or the arenas retain do not blur."""
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
 
     peaks = []
     for _ in range(3):
