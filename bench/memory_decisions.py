@@ -17,10 +17,10 @@ chains it fuses never written (:mod:`autosp.costmodel.fusion`). ``--dtype bfloat
 model in bf16, where that matters most (the norms' fp32 upcasts).
 
 ``--compiler inductor``: Inductor's kernels allocate outside the dispatcher, so the probe cannot
-see them; the bench then measures the process's resident memory instead (sampled every 0.2 ms
-during the step, less what was resident before it; the lowest of 3 steps), with glibc told to
-return every freed block above 64 KiB to the system (``MALLOC_MMAP_THRESHOLD_``), so that what
-is resident is what is allocated. On ``aot_eager`` the two agree within 5% (see bench/README).
+see them; the bench then reads malloc's bytes in use (``mallinfo2``: its arenas' in-use blocks
+and its mapped ones; sampled every 0.2 ms during the step, less what was in use before it; the
+lowest of 3 steps), with glibc told to map every block above 64 KiB (``MALLOC_MMAP_THRESHOLD_``).
+The process's resident pages, read before, moved by 16 MiB between runs (see bench/README).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def tiny(layers: int = 2, dtype: str = "float32"):
     return transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
 
 
-def resident_step_peak(step) -> tuple[Any, int]:
-    """(what the last ``step()`` returned, the peak resident bytes a step adds: the lowest of 3 runs;
+def in_use_step_peak(step) -> tuple[Any, int]:
+    """(what the last ``step()`` returned, the peak bytes in use a step adds: the lowest of 3 runs;
     the sampler misses no peak that lasts longer than its period, and page-cache noise only adds)."""
     import gc
 
@@ -68,7 +68,7 @@ def resident_step_peak(step) -> tuple[Any, int]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
 
-    def resident() -> int:
+    def in_use() -> int:
         """Bytes malloc has handed out and not taken back (its arenas' in-use blocks and its mapped
         ones): the allocator's view, which pages the kernel keeps or the arenas retain do not blur."""
         info = libc.mallinfo2()
@@ -77,12 +77,12 @@ def resident_step_peak(step) -> tuple[Any, int]:
     peaks = []
     for _ in range(3):
         gc.collect()
-        base = resident()
+        base = in_use()
         peak, done = [base], threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], resident())
+                peak[0] = max(peak[0], in_use())
                 time.sleep(0.0002)
 
         sampler = threading.Thread(target=sample)
@@ -123,7 +123,7 @@ def measure(seq_len: int, compiler: str, strategy: str = "ulysses", decisions: l
                 loss.backward()
                 model.zero_grad(set_to_none=True)
                 return loss.detach()
-            loss, peak = resident_step_peak(step)
+            loss, peak = in_use_step_peak(step)
         else:
             loss, peak = step_peak(sp, lambda: sp(input_ids=ids, labels=ids).loss)
         rows.append(dict(checkpoint=checkpoint, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, peak=peak,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.costmodel.fusion import upcast_saved
 from autosp.costmodel.memory import layer_saved, mlp_saved
 from autosp.decisions import LayerChoice
 from autosp.graph import OpGraph, OpKind, evaluate
@@ -76,16 +75,15 @@ def loss_gradient_buffer(graph: OpGraph, tokens: float) -> float:
 
 
 def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunks: int,
-              keep_mlp_input: bool = True, fused: bool = False) -> dict[str, float]:
+              keep_mlp_input: bool = True) -> dict[str, float]:
     """What one layer of class ``fp`` holds during its own backward beyond what its option keeps:
     its activations come back as without checkpointing (recomputed), a tiled MLP's one chunk at a
     time. A checkpointed layer's tiled MLP is its own recompute region (compiled), whose backward
     runs before the rest of the layer is recomputed: then only the chunk is back, and after it
     the rest's recompute brings back what the partitioner would save of it, not what eager
     autograd saves (the captured schedule's phase has those). Recomputed with the whole layer
-    (``keep_mlp_input=False``), the rest's recompute comes first and stays through the chunks':
-    as eager autograd saves it (``aot_eager`` replays the ops one by one; Inductor too, ``fused``,
-    but for the copies wider than the model's dtype, :func:`autosp.costmodel.fusion.upcast_saved`)."""
+    (``keep_mlp_input=False``), the rest's recompute comes first and stays through the chunks' (as
+    eager autograd saves it: ``aot_eager`` and, measured, Inductor hold that)."""
     none = layer_saved(graph, tokens, "none", 1, compiled=False)[fp]   # what its backward reads
     kept = layer_saved(graph, tokens, checkpoint, mlp_chunks, keep_mlp_input=keep_mlp_input)[fp]
     tiled = mlp_saved(graph, tokens, compiled=False)[fp]
@@ -101,8 +99,7 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
     if checkpoint == "full" and not keep_mlp_input:
         # the recompute replays the rest's forward ops, so what its backward reads is back as eager
         # autograd saves it (measured: the probe, bench/memory_decisions.py), beside one chunk
-        held = rest_eager - (upcast_saved(graph, tokens)[fp] if fused else 0.0)
-        return {"mlp": chunk + held - kept, "rest": rest}
+        return {"mlp": chunk + rest_eager - kept, "rest": rest}
     return {"mlp": chunk, "rest": rest}
 
 
@@ -125,13 +122,11 @@ def with_strategy_own(own: dict[str, float], strategy_own: float, workspace: flo
 
 
 def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]],
-                 attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset(),
-                 fused: bool = False) -> float:
+                 attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset()) -> float:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks[, keep the
     MLP's input]) choices;
     ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`);
-    ``offloaded``: classes keeping it in host memory (:func:`autosp.costmodel.offload.offloaded_own`);
-    ``fused``: the step runs through Inductor (:func:`own_bytes`)."""
+    ``offloaded``: classes keeping it in host memory (:func:`autosp.costmodel.offload.offloaded_own`)."""
     from autosp.costmodel.offload import offloaded_own
 
     extra = {fp: strategy_saved((attention_saved or {}).get(fp, 0.0), choice[fp][0]) for fp in graph.layer_classes}
@@ -141,7 +136,7 @@ def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice:
     for key, base in terms.items():
         if key != "loss":
             fp, phase = key
-            own = with_strategy_own(own_bytes(graph, tokens, fp, *choice[fp], fused=fused), extra[fp]["own"], 0.0,
+            own = with_strategy_own(own_bytes(graph, tokens, fp, *choice[fp]), extra[fp]["own"], 0.0,
                                     LayerChoice(**dict(zip(("checkpoint", "mlp_chunks", "keep_mlp_input"),
                                                            choice[fp]))).mlp_with_layer)
             own = offloaded_own(own, kept[fp]) if fp in offloaded else \

@@ -82,8 +82,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)
         kept = {m: layer_saved(graph, tokens, *m) for m in everything}
-        own = {(fp, *m): own_bytes(graph, tokens, fp, *m, fused=fused)
-               for fp in graph.layer_classes for m in everything}
+        own = {(fp, *m): own_bytes(graph, tokens, fp, *m) for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
             if seq_len % n_chunks(layout, sp):
