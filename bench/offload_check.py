@@ -122,7 +122,8 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
         seconds, peak, host = _step(sp, ids, opt, dry)
         pred = autosp.plan(None, graph=graph, seq_len=tokens, world_size=1, profile=profile, memory_limit=float("inf"),
                            checkpoints=("full",), mlp_chunks=(chunks,),
-                           loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."))
+                           loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."),
+                           compiler=compiler)
         copies = sp.report().as_dict()["collectives"]
         out["offload" if offload else "kept"] = {
             "step_s": seconds, "predicted_step_s": pred.predicted["total_s"],

@@ -1242,7 +1242,7 @@ def offload_memory(seq_len: int = 2048, strategy: str = "ulysses") -> dict[str, 
 
 
 def encoder_compare(strategies: tuple[str, ...] = ("ulysses", "ring", "allgather_kv"), seq_len: int = 64,
-                    steps: int = 2) -> dict[str, Any]:
+                    steps: int = 1) -> dict[str, Any]:
     """A BERT-shaped encoder (bidirectional attention, a padding mask, masked-LM loss, absolute
     positions, token types) per strategy against one process over ``steps`` AdamW steps. Gradient
     error over all parameters together: a key bias's exact gradient is zero (a shift of every key

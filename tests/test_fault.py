@@ -13,15 +13,23 @@ JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
 STEPS, EVERY, KILL = 6, 2, 3          # checkpoints after steps 1, 3, 5; rank 1 dies in step 3's backward
 
 
-def _run(out: str, *kill: int) -> dict[int, list[dict]]:
-    """One torchrun job of 2 gloo ranks (eager graphs: what is tested is the restart, not a compiler);
-    each rank's finished steps, in the order they finished."""
+def _start(out: str, *kill: int) -> subprocess.Popen:
+    """One torchrun job of 2 gloo ranks (eager graphs: what is tested is the restart, not a compiler)."""
+    os.makedirs(out)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOSP_COMPILER": "eager",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", JOB, out, str(STEPS), str(EVERY), *map(str, kill)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(job: subprocess.Popen, out: str) -> dict[int, list[dict]]:
+    """Each rank's finished steps, in the order they finished."""
+    try:
+        _, err = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
     logs = {}
     for rank in (0, 1):
         with open(os.path.join(out, f"rank{rank}.jsonl")) as f:
@@ -31,10 +39,8 @@ def _run(out: str, *kill: int) -> dict[int, list[dict]]:
 
 def test_a_rank_killed_mid_backward_restarts_resumes_and_trains_on_unchanged(tmp_path):
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    os.makedirs(whole)
-    os.makedirs(killed)
-    ref = _run(whole)
-    got = _run(killed, KILL)
+    jobs = _start(whole), _start(killed, KILL)          # side by side: each waits on its own ranks mostly
+    ref, got = _finish(jobs[0], whole), _finish(jobs[1], killed)
     assert [r["step"] for r in ref[0]] == list(range(STEPS)) and {r["attempt"] for r in ref[0]} == {0}
     for rank in (0, 1):
         first = [r for r in got[rank] if r["attempt"] == 0]

@@ -71,6 +71,13 @@ class _Source:
         return ModelSource("tiny6", hf_config=cfg)
 
 
+
+@pytest.fixture(scope="module")
+def llama8b_4k():
+    """Llama-3-8B captured once for the module (a graph is never changed once captured; its memo
+    of liveness and the partitioner's cut serves every test)."""
+    return capture("llama3-8b", seq_len=4096)
+
 def test_heads_that_do_not_divide_get_ring_or_hybrid(tiny6):
     # SP degree 4 with 6 heads: a plan, not an error, and never Ulysses over all 4 ranks.
     p = plan(None, graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm",
@@ -291,11 +298,11 @@ def test_ulysses_is_planned_on_the_contiguous_layout():
                                                                  checkpoint="full", mlp_chunks=8, loss_chunks=8)
 
 
-def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_layers():
+def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_layers(llama8b_4k):
     """The README's main job: Llama-3-8B at 128k tokens on 8 H100s with ZeRO 3 (a shallow
     capture: 2 of 32 layers traced). The first layer's backward holds no later layer's
     activations, so the untraced layers must not count there (they once made nothing fit)."""
-    g = capture("llama3-8b", seq_len=4096)
+    g = llama8b_4k
     p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3, offloads=(False,))
     assert p.sp_degree == 8 and p.predicted["peak_bytes"] <= 80e9, p.predicted
     assert {layer.choice.checkpoint for layer in p.layers} == {"selective"}, p.layers
@@ -309,11 +316,11 @@ def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_la
     assert off.predicted["host_bytes"] == pytest.approx(32 * (2.2839296e9 + 2 * 8 * 128 * 131072 * 2), rel=0.03)
 
 
-def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not():
+def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not(llama8b_4k):
     """64 H100s, 8 per node, 128k tokens, ZeRO 3: Llama-3-8B's states fit 8 ways, so the planner
     shards each parameter within a node (HSDP: gathers on NVLink, only reduced shards cross nodes);
     Llama-3-70B's 16 bytes per parameter over 8 devices (140 GB) do not fit, so it shards over all 64."""
-    small = capture("llama3-8b", seq_len=4096)
+    small = llama8b_4k
     kw = dict(seq_len=131072, world_size=64, devices_per_node=8, profile="h100-sxm", zero_stage=3)
     hsdp = plan(None, graph=small, **kw)
     flat = plan(None, graph=small, zero_shard=0, **kw)
@@ -376,20 +383,21 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
     assert max(device, host) > 0.99 and device <= 1 and host <= 1, bound
 
 
-def test_the_plan_is_costed_for_the_compiler_that_runs_it():
+def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
     """Llama-3-8B in bf16 at 3.6M tokens on 8 H100s (ZeRO 3): the same decisions peak lower on the
     device through Inductor, which never writes the norms' fp32 transients, than through
     aot_eager, which writes them: by more than a bf16 hidden state at 453k tokens per rank. The
     longest length stays where the host binds (two hidden states per layer offloaded), for both."""
     from autosp.costmodel.memory import hidden_bytes
-    from autosp.planner.longest import max_seq_len
 
-    g = capture("llama3-8b", seq_len=4096)
+    g = llama8b_4k
     kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8)
     peaks = {}
-    for compiler in ("inductor", "aot_eager"):
-        tokens, p = max_seq_len(None, compiler=compiler, **kw)
-        assert p.predicted["compiler"] == compiler and tokens == 3_623_952, (compiler, tokens)
+    for compiler in ("inductor", "aot_eager"):       # the longest length of both (the search: above)
+        p = plan(None, seq_len=3_623_952, compiler=compiler, **kw)
+        assert p.predicted["compiler"] == compiler
+        with pytest.raises(AutospError, match="no plan fits"):
+            plan(None, seq_len=3_623_952 + 16, compiler=compiler, **kw)
         bound = p.predicted["bound_by"]
         assert bound["host_bytes"] / bound["host_budget"] > 0.99, bound           # the host binds
         peaks[compiler] = p.predicted["peak_bytes"]
@@ -398,7 +406,7 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it():
     assert peaks["inductor"] < peaks["aot_eager"] - hidden_bytes(g, 3_623_952 / 8), peaks
 
 
-def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer():
+def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer(llama8b_4k):
     """Fully checkpointed, a tiled MLP that is a recompute region of its own keeps its input: a
     second hidden state per layer. Across Llama-3-8B's 32 layers that costs more than the layer's
     recomputed tensors alive during the MLP chunks' backward, so at 1.2M tokens on 8 devices without
@@ -410,7 +418,7 @@ def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_la
     from autosp.planner.ilp import peak_bytes
     from autosp.planner.search import build_candidates
 
-    g = capture("llama3-8b", seq_len=4096)
+    g = llama8b_4k
     kw = dict(world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8, offloads=(False,))
     p = plan(None, graph=g, seq_len=1_200_000, **kw)
     c = p.layers[0].choice
@@ -427,10 +435,10 @@ def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_la
     assert peak_bytes(cand, {fp: kept}) > p.memory_limit_bytes * (1 - p.memory_margin)
 
 
-def test_a_length_that_needs_offload_says_so_in_one_line_when_offload_was_left_out():
+def test_a_length_that_needs_offload_says_so_in_one_line_when_offload_was_left_out(llama8b_4k):
     """2M tokens of Llama-3-8B on 8 H100s fit only with checkpoints in host memory: planned without
     offload, the refusal names offload as what fits (not more devices), in one line."""
-    g = capture("llama3-8b", seq_len=4096)
+    g = llama8b_4k
     kw = dict(graph=g, seq_len=2_000_000, world_size=8, profile="h100-sxm", zero_stage=3)
     with pytest.raises(AutospError) as refused:
         plan(None, offloads=(False,), **kw)
@@ -440,11 +448,11 @@ def test_a_length_that_needs_offload_says_so_in_one_line_when_offload_was_left_o
     assert any(layer.choice.offload for layer in plan(None, **kw).layers)
 
 
-def test_the_plan_names_the_largest_tensors_alive_at_the_peak():
+def test_the_plan_names_the_largest_tensors_alive_at_the_peak(llama8b_4k):
     """What bounds the context, per rank: Llama-3-8B at 128k tokens on 8 devices holds 16,384
     tokens each, and the step's peak (before tiling) is the loss's fp32 [tokens, 128,256] logits;
     then the MLPs' [tokens, 14,336] intermediates."""
-    g = capture("llama3-8b", seq_len=4096)
+    g = llama8b_4k
     p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
     top = p.predicted["largest_live"]
     assert [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
