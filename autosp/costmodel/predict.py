@@ -132,6 +132,9 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
             reduce_grads: bool = True, devices_per_node: int | None = None,
             documents: tuple[int, ...] = (), overlap: bool = True, zero_shard: int = 0,
             fused: bool = False) -> Prediction:
+    """Time and memory of one training step of ``graph`` on ``sp`` x ``dp`` devices under one
+    strategy; memory as ``aot_eager`` runs the step, or, ``fused``, as Inductor does (a bf16
+    model's fp32 transients never written: :mod:`autosp.costmodel.fusion`)."""
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
         raise AutospError(f"sequence length {S} is not divisible by the SP degree {sp}; pad it to "
