@@ -65,7 +65,6 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str) -
     return state["extra"]
 
 
-
 def latest(root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (the directories ``save`` wrote there), or
     None. A rank killed while saving leaves a directory without DCP's ``.metadata``, which the
@@ -75,13 +74,13 @@ def latest(root: str) -> str | None:
 
     if not os.path.isdir(root):
         return None
-    done = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".metadata")))
+    done = [os.path.join(root, d) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".metadata"))]
 
-    def step(path: str) -> int:
+    def newest(path: str) -> tuple[int, str]:
         if "extra.step" not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
-            return -1
+            return -1, os.path.basename(path)
         state = {"extra": {"step": None}}
         dcp.load(state, checkpoint_id=path, no_dist=True)      # a read of one value: every rank alone
-        return int(state["extra"]["step"])
+        return int(state["extra"]["step"]), os.path.basename(path)
 
-    return max(done, key=step, default=None)
+    return max(done, key=newest, default=None)

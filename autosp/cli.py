@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from autosp.errors import AutospError
+from autosp.options import COMPILERS
 
 
 def _positive_int(text: str) -> int:
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offload", action="store_true",
                    help="keep every layer's saved tensors on the device (by default the planner may offload them "
                         "to host memory where the profile has it)")
-    p.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager", "eager"),
+    p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="what will run the step (default Inductor, autosp's; it fuses pointwise chains, so "
                         "the others need more memory)")
     p.set_defaults(func=cmd_plan)

@@ -77,6 +77,9 @@ def test_latest_skips_a_checkpoint_a_killed_rank_left_half_written(tmp_path):
             ckpt.save(model, None, str(tmp_path / f"s{step}"), step=step)
         os.makedirs(tmp_path / "s99")            # the newest name, never finished: no .metadata
         assert ckpt.latest(str(tmp_path)) == str(tmp_path / "s10")      # by step, not by name
+        for name in ("a", "b"):                  # saved without a step: the last by name
+            ckpt.save(model, None, str(tmp_path / "nostep" / name))
+        assert ckpt.latest(str(tmp_path / "nostep")) == str(tmp_path / "nostep" / "b")
 
 
 if __name__ == "__main__":

@@ -125,8 +125,12 @@ def test_cli_plan_json(capsys, tmp_path):
     # the table says which compiler its memory was costed for; an unknown one is refused by name
     assert main(["plan", "--model", "tiny", "--seq-len", "8192", "--world-size", "4", "--compiler", "aot_eager"]) == 0
     assert "compiled by aot_eager" in capsys.readouterr().out
-    with pytest.raises(AutospError, match="unknown compiler 'tvm'"):
-        plan("tiny", seq_len=8192, world_size=4, compiler="tvm")
+    from autosp.planner.longest import max_seq_len
+
+    for call in (lambda: plan("tiny", seq_len=8192, world_size=4, compiler="tvm"),
+                 lambda: max_seq_len("tiny", world_size=4, compiler="tvm")):      # before any search
+        with pytest.raises(AutospError, match="unknown compiler 'tvm'"):
+            call()
 
 
 def test_cli_plans_without_overlap_for_comparison(capsys):

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Hashable
 
 
 @dataclass

@@ -8,7 +8,7 @@ length found to fit is one ``plan`` plans, and one step longer is refused.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from autosp.costmodel.offload import host_budget
 from autosp.costmodel.profile import HardwareProfile, load_profile
@@ -17,7 +17,7 @@ from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import solve
 from autosp.planner.plan import Plan
-from autosp.planner.search import MEMORY_MARGIN, _budget, build_candidates, plan
+from autosp.planner.search import MEMORY_MARGIN, _budget, build_candidates, counts_fusion, plan
 
 
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
@@ -74,7 +74,7 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
                 compiler: str = "inductor") -> tuple[int, Plan]:
     """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan
     (``compiler``: what will run the step, see :func:`plan`)."""
-    fused = compiler == "inductor"
+    fused = counts_fusion(compiler)
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     dpn = devices_per_node or prof.devices_per_node
     limit = memory_limit or prof.memory_bytes

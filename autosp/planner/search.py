@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, replace
-from typing import Any, Callable
+from typing import Any
 
 from autosp.costmodel.live_tensors import largest_live
 from autosp.costmodel.memory import layer_saved, mlp_saved, model_states
@@ -25,8 +25,9 @@ from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
 from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
 from autosp.errors import AutospError
+from autosp.options import COMPILERS
 from autosp.graph import OpGraph, capture
-from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, phase_bytes, solve, solve_k_best
+from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, phase_bytes, solve_k_best
 from autosp.planner.plan import LayerPlan, Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
 from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
@@ -162,6 +163,13 @@ MLP_OPS = 15
 LOSS_OPS = 10
 
 
+def counts_fusion(compiler: str) -> bool:
+    """Whether the memory model counts Inductor's fused kernels for ``compiler`` (refused if unknown)."""
+    if compiler not in COMPILERS:
+        raise AutospError(f"unknown compiler '{compiler}'; plan for one of {', '.join(COMPILERS)}")
+    return compiler == "inductor"
+
+
 def _chunk_overhead(prof: HardwareProfile, dtype: str, chunks: int, ops: int) -> float:
     """Seconds that running a region in ``chunks`` token chunks adds: a kernel floor per extra launch."""
     return (chunks - 1) * ops * prof.matmul_time(1.0, dtype) if chunks > 1 else 0.0
@@ -191,8 +199,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
     world spans several: within a node the gathers stay on the node's fast links, at k / N of
     the memory savings. ``compiler``: what will run the step (Inductor, the default, never writes a
     bf16 model's fp32 copies, which "aot_eager" and "eager" do)."""
-    if compiler not in ("inductor", "aot_eager", "eager"):
-        raise AutospError(f"unknown compiler '{compiler}'; plan for 'inductor', 'aot_eager' or 'eager'")
+    fused = counts_fusion(compiler)
     if world_size < 1:
         raise AutospError(f"world size must be at least 1, got {world_size}")
     if zero_stage not in (0, 1, 2, 3):
@@ -215,8 +222,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         t0 = time.perf_counter()
         cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
                                         strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
-                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads),
-                                        fused=compiler == "inductor")
+                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads), fused=fused)
         t_cost += time.perf_counter() - t0
         t1 = time.perf_counter()
         host = host_budget(prof, world_size, dpn, memory_margin)
@@ -232,7 +238,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         from autosp.planner.longest import _infeasible_hint   # it searches with plan's own feasibility
 
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin,
-                                           tuple(offloads), compiler == "inductor"))
+                                           tuple(offloads), fused))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
     out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, zero_shard,
