@@ -379,7 +379,7 @@ def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
     world = dist.get_world_size()
     graph = capture(build("llama"), seq_len=seq_len, batch_size=2, dtype="float32")
     peak = {k: plan(None, graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo",
-                    sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler("contiguous"),
+                    sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler(),
                     memory_limit=float("inf")).predicted["peak_bytes"]
             for k in ("none", "full")}
     limit = (peak["none"] + peak["full"]) / 2
@@ -1283,4 +1283,52 @@ def encoder_compare(strategies: tuple[str, ...] = ("ulysses", "ring", "allgather
         row["report"] = sp.report().as_dict()
         row["blocks"] = {k: BLOCK_TALLY[k] - blocks.get(k, 0) for k in ("computed", "skipped")}
         out[strategy] = row
+    return out
+
+
+# Document lengths of a packed stream, one row per step: long and short mixes, a length (70) that the
+# balanced layout's 4 chunks per rank do not divide (padded), and a row of short documents only.
+PACKED_STREAM = ((40, 8, 16), (4, 4, 56), (64,), (8,) * 8, (30, 30, 10), (16, 48))
+
+
+def balanced_stream(strategy: str = "ring", docs: tuple = PACKED_STREAM, layout: str = "balanced",
+                    compiler: str | None = None) -> dict[str, Any]:
+    """Packed batches whose documents change every step under one layout, against one process at
+    every step: loss and worst gradient error, the chunks this rank's slice held (read from the
+    balanced deal as the step ran), the (query, key) pairs its attention kernels attended (counted
+    as they ran), and how many graphs were compiled over the stream."""
+    import torch._dynamo.utils as dynamo_utils
+    import torch.distributed as dist
+
+    from autosp.strategies import layout as lay
+
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    sp = autosp.compile(model, plan=autosp.Decisions.of(strategy=strategy, mesh=autosp.MeshChoice(layout=layout)),
+                        runtime=autosp.Runtime(compiler=compiler))
+    opt_ref, opt_sp = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
+    frames = dynamo_utils.counters["stats"]["unique_graphs"]
+    out: dict[str, Any] = {"steps": []}
+    for step, lengths in enumerate(docs):
+        seq_len = sum(lengths)
+        ids, labels = _batch(step, 2, seq_len, uneven=False)
+        pos = torch.cat([torch.arange(n) for n in lengths]).expand(2, seq_len).clone()
+        loss_ref = _loss(ref, "llama", ids, labels, position_ids=pos)
+        loss_ref.backward()
+        before = BLOCK_TALLY["query_keys"]
+        loss = _loss(sp, "llama", ids, labels, position_ids=pos)
+        attended = BLOCK_TALLY["query_keys"] - before       # forward only: the backward does not count
+        loss.backward()
+        rep = sp.report().as_dict()
+        world = rep["sp_degree"]
+        out["steps"].append({
+            "seq_len": seq_len, "padded_len": rep["padded_len"], "compiler": rep["compiler"],
+            "loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+            "grad_err": max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+            "chunks": lay.rank_chunks(layout, dist.get_rank(), world) if layout == "balanced" else None,
+            "attended": attended, "strategies": [a["strategy"] for a in rep["attention"]]})
+        for opt in (opt_ref, opt_sp):
+            opt.step()
+            opt.zero_grad()
+    out["graphs"] = dynamo_utils.counters["stats"]["unique_graphs"] - frames
     return out

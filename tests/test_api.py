@@ -42,9 +42,8 @@ def test_the_default_compiler_is_inductor_unless_the_environment_names_another(m
 
     monkeypatch.delenv("AUTOSP_COMPILER", raising=False)
     assert default_compiler() == "inductor"
-    assert default_compiler("balanced") == "eager"          # it deals chunks per batch
     monkeypatch.setenv("AUTOSP_COMPILER", "aot_eager")
-    assert default_compiler() == "aot_eager" and default_compiler("balanced") == "eager"
+    assert default_compiler() == "aot_eager"
     monkeypatch.setenv("AUTOSP_COMPILER", "tvm")
     with pytest.raises(AutospError, match="AUTOSP_COMPILER='tvm' is not a compiler; use one of inductor, aot_eager"):
         autosp.compile(torch.nn.Linear(2, 2), plan="ulysses")

@@ -3,8 +3,8 @@
 import pytest
 
 from dist_harness import Pool
-from test_sp_2proc import (MASKED, check_exact, check_first_step_exact, check_graph_break, check_inputs_embeds,
-                           check_ran, expected_collectives, run_ok)
+from test_sp_2proc import (MASKED, check_balanced_stream, check_exact, check_first_step_exact, check_graph_break,
+                           check_inputs_embeds, check_ran, expected_collectives, run_ok)
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +287,11 @@ def test_offload_with_full_checkpointing_and_zero_3_on_four_ranks(pool):
         assert c["loss_err"] < 1e-5 and c["grad_err"] < 1e-4 and c["param_err"] < 1e-5, c
         assert c["report"]["collectives"]["host_offload"]["bytes"] == 4 * 64 * 256 * 4
         assert c["events"] == "aaaaOO" * 2 + "|" + "RRRR" + ("WW" + "a" * 8) * 2, c["events"]
+
+
+def test_the_balanced_layout_deals_each_batch_across_a_hybrid_grid(pool):
+    """The balanced layout under hybrid:2x2 through AOTAutograd: each ring rank attends for the
+    chunks its Ulysses pair was dealt, read when the graph runs."""
+    res = run_ok(pool, "balanced_stream", strategy="hybrid:2x2", compiler="aot_eager")
+    assert {s["compiler"] for s in res[0]["steps"]} == {"aot_eager"}
+    check_balanced_stream(res, 4, "hybrid:2x2")

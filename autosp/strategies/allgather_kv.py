@@ -21,7 +21,7 @@ from autosp.strategies.allgather_kv_kernel import allgather_kv_attention as over
 from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, Transfer, register
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
-from autosp.strategies.layout import all_chunks, n_chunks, rank_chunks, slice_seq, to_natural_order
+from autosp.strategies.layout import kernel_chunks, n_chunks, rank_chunks, slice_seq, to_natural_order
 from autosp.strategies.region import full_sizes, score_bytes, slice_atom
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_costs import blockwise_kernel_calls
@@ -35,13 +35,13 @@ def allgather_kv_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask:
     pg = resolve_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if overlap:
-        out, *_ = overlapped_attention(query, key, value, block_mask(attn_mask, query), all_chunks(layout, world),
+        out, *_ = overlapped_attention(query, key, value, block_mask(attn_mask, query), kernel_chunks(layout, world),
                                        is_causal, softmax_scale(query, scale), group_name)
         return out
     seq = key.dim() - 2
     k, v = all_gather_rs(key.contiguous(), seq, group_name), all_gather_rs(value.contiguous(), seq, group_name)
-    out, _ = chunked_attention(query, k, v, block_mask(attn_mask, query), rank_chunks(layout, rank, world),
-                               all_chunks(layout, world), is_causal, softmax_scale(query, scale))
+    out, _ = chunked_attention(query, k, v, block_mask(attn_mask, query), kernel_chunks(layout, world, rank),
+                               kernel_chunks(layout, world), is_causal, softmax_scale(query, scale))
     return out
 
 

@@ -22,7 +22,6 @@ new module with a ``@register``-ed subclass (see ``tests/toy_strategy.py``).
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autosp.errors import AutospError
+from autosp.strategies.layout import resolve_chunks
 
 
 def _expand_kv(x: Tensor, n_heads: int) -> Tensor:
@@ -49,9 +50,23 @@ def _reduce_kv(dx: Tensor, n_kv: int) -> Tensor:
     return dx if h == n_kv else dx.view(b, n_kv, h // n_kv, l, d).sum(2)
 
 
-# Forward kernel calls made, and (query, key) chunk pairs a mask hid entirely, since start
-# (read by reports and tests).
+# Forward kernel calls made ("computed"), (query, key) chunk pairs a mask hid entirely
+# ("skipped"), and the (query, key) pairs the forward kernels attended summed over the batch
+# ("query_keys": this rank's attention work as it ran), since start (read by reports and tests).
 BLOCK_TALLY: Counter = Counter()
+
+
+def _shown(bias: Tensor | None, causal: bool, q: Tensor) -> int:
+    """(query, key) pairs one forward kernel call attends, summed over the batch (not heads)."""
+    length, keys = q.shape[2], q.shape[2]
+    if bias is None:
+        return q.shape[0] * (length * (length + 1) // 2 if causal else length * keys)
+    shown = bias > float("-inf")
+    if causal:
+        shown = shown & torch.ones(length, keys, dtype=torch.bool, device=bias.device).tril()
+    per_head = shown.shape[1] if shown.dim() == 4 else 1
+    rows = q.shape[0] if shown.dim() < 4 or shown.shape[0] == 1 else 1
+    return int(shown.sum()) * rows // per_head
 
 
 def kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
@@ -245,6 +260,7 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, q_chunks: list[int], kv_chun
     pairs = visible_pairs(q_chunks, kv_chunks, causal, mask, length, q.dtype)
     BLOCK_TALLY["skipped"] += len(chunk_pairs(q_chunks, kv_chunks, causal)) - len(pairs)
     for i, j, c, bias, rows_seen in pairs:
+        BLOCK_TALLY["query_keys"] += _shown(bias, c, qs[i])
         o, lse = kernel_forward(qs[i], _expand_kv(ks[j], n_heads), _expand_kv(vs[j], n_heads), c, scale, bias)
         if rows_seen is None:
             new = torch.logaddexp(acc_l[i], lse)
@@ -290,7 +306,7 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, q_ch
     """Attention of local queries over gathered keys/values, both described by chunk ids; ``mask``
     (or None) over global token order."""
     acc = new_accumulator(q)
-    attend_forward(q, k, v, q_chunks, kv_chunks, causal, scale, acc, mask)
+    attend_forward(q, k, v, resolve_chunks(q_chunks), resolve_chunks(kv_chunks), causal, scale, acc, mask)
     return acc[0].to(q.dtype), acc[1]
 
 
@@ -326,7 +342,8 @@ def chunked_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                mask: Tensor | None, q_chunks: list[int], kv_chunks: list[int], causal: bool,
                                scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc_dtype(t), device=t.device) for t in (q, k, v))
-    attend_backward(dout.to(q.dtype), q, k, v, out, lse, q_chunks, kv_chunks, causal, scale, dq, dk, dv, mask)
+    attend_backward(dout.to(q.dtype), q, k, v, out, lse, resolve_chunks(q_chunks), resolve_chunks(kv_chunks),
+                    causal, scale, dq, dk, dv, mask)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

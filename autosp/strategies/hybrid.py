@@ -19,7 +19,7 @@ from autosp.errors import AutospError
 from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, register
 from autosp.strategies.ring_costs import blockwise_kernel_calls, ring_transfers, ring_workspace
 from autosp.strategies.collectives import resolve_group
-from autosp.strategies.layout import rank_chunks
+from autosp.strategies.layout import kernel_chunks
 from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_kernel import ring_attention
 from autosp.strategies.ulysses import all_to_all_transfers, heads_illegal, heads_to_seq, kv_repeat, seq_to_heads
@@ -34,9 +34,8 @@ def hybrid_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tenso
     u_group = resolve_group(ulysses_group)
     u = dist.get_world_size(u_group)
     per = query.shape[1] // u          # this Ulysses rank attends with heads [j*per, (j+1)*per)
-    r = world // u
     q, k, v = seq_to_heads(query, key, value, ulysses_group)
-    chunks = [c for g in range(r) for j in range(u) for c in rank_chunks(layout, g * u + j, world)]
+    chunks = kernel_chunks(layout, world)     # SP ranks in order: ring rank g holds ranks g*u .. g*u+u-1
     mask = block_mask(attn_mask, query, (dist.get_rank(u_group) * per, per))
     out, _ = ring_attention(q, k, v, mask, chunks, is_causal, softmax_scale(query, scale), ring_group)
     return heads_to_seq(out, ulysses_group)

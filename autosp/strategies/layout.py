@@ -13,6 +13,9 @@ be *flattened* with leading dims (``[B*S, V]`` logits in a loss): its size is
               own document, so a rank holding a long document's tail would otherwise do
               most of the work). Set by the wrapper from the position ids before each
               step (:func:`set_balanced`); without documents it is two zigzag rounds.
+              A compiled graph traces its ops once, so under this layout every op that
+              depends on the deal is a custom op that reads it when it runs: the kernels get
+              :func:`kernel_chunks` markers, the slices and reorders are ``autosp::balanced_*``.
 
 The layout is one global choice: every sequence-sharded tensor (ids, labels,
 positions, masks, activations) follows it.
@@ -38,6 +41,28 @@ def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise AutospError(f"unknown layout '{layout}'; use one of {', '.join(LAYOUTS)}")
     return layout
+
+
+# A kernel argument that stands for the balanced deal of the step being run: [RUN_TIME, world]
+# (every rank's chunks, rank order) or [RUN_TIME, world, rank] (one rank's).
+RUN_TIME = -1
+
+
+def kernel_chunks(layout: str, world: int, rank: int | None = None) -> list[int]:
+    """Chunk ids to pass a blockwise kernel: the ids, or under the balanced layout a marker the
+    kernel resolves (:func:`resolve_chunks`) each time it runs, since a compiled graph would
+    otherwise keep the first batch's deal as a constant."""
+    if layout == "balanced":
+        return [RUN_TIME, world] if rank is None else [RUN_TIME, world, rank]
+    return all_chunks(layout, world) if rank is None else rank_chunks(layout, rank, world)
+
+
+def resolve_chunks(chunks: list[int]) -> list[int]:
+    """The chunk ids a :func:`kernel_chunks` argument stands for now."""
+    if not chunks or chunks[0] != RUN_TIME:
+        return list(chunks)
+    world = chunks[1]
+    return all_chunks("balanced", world) if len(chunks) == 2 else rank_chunks("balanced", chunks[2], world)
 
 
 def rank_chunks(layout: str, rank: int, world: int) -> list[int]:
@@ -105,9 +130,16 @@ def _as_tokens(x: Tensor, dim: int, full_len: int) -> tuple[Tensor, list[int], i
 
 def slice_seq(x: Tensor, dim: int, full_len: int, rank: int, world: int, layout: str = "contiguous") -> Tensor:
     """This rank's tokens of a replicated tensor whose ``dim`` holds ``c * full_len`` entries."""
+    if layout == "balanced":
+        return balanced_slice(x, dim, full_len, rank, world)
+    return _slice_chunks(x, dim, full_len, rank_chunks(layout, rank, world), n_chunks(layout, world))
+
+
+def _slice_chunks(x: Tensor, dim: int, full_len: int, chunks: list[int], count: int) -> Tensor:
+    """Chunks ``chunks`` (of ``count`` equal ones) of each token row, concatenated in that order."""
     y, shape, c = _as_tokens(x, dim, full_len)
-    n = full_len // n_chunks(layout, world)
-    parts = [y.narrow(dim + 1, k * n, n) for k in rank_chunks(layout, rank, world)]
+    n = full_len // count
+    parts = [y.narrow(dim + 1, k * n, n) for k in chunks]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim + 1)
     return y.reshape(shape[:dim] + [c * y.shape[dim + 1]] + shape[dim + 1:])
 
@@ -116,17 +148,26 @@ def to_natural_order(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
     """Reorder a tensor whose ``dim`` holds all ranks' tokens in rank order into token order."""
     if layout == "contiguous":
         return x
-    order = all_chunks(layout, world)
+    if layout == "balanced":
+        return balanced_reorder(x, dim, world, True)
+    return _reorder(x, dim, all_chunks(layout, world), True)
+
+
+def _reorder(x: Tensor, dim: int, order: list[int], to_natural: bool) -> Tensor:
+    """``x``'s chunks along ``dim`` from rank order (``order``: chunk ids) to token order, or back."""
     parts = x.chunk(len(order), dim=dim)
-    return torch.cat([parts[order.index(k)] for k in range(len(order))], dim=dim)
+    if to_natural:
+        return torch.cat([parts[order.index(k)] for k in range(len(order))], dim=dim)
+    return torch.cat([parts[k] for k in order], dim=dim)
 
 
 def to_rank_order(x: Tensor, dim: int, layout: str, world: int) -> Tensor:
     """Inverse of :func:`to_natural_order`."""
     if layout == "contiguous":
         return x
-    parts = x.chunk(n_chunks(layout, world), dim=dim)
-    return torch.cat([parts[k] for k in all_chunks(layout, world)], dim=dim)
+    if layout == "balanced":
+        return balanced_reorder(x, dim, world, False)
+    return _reorder(x, dim, all_chunks(layout, world), False)
 
 
 def gather_seq(x: Tensor, dim: int, full_len: int, world: int, group_name: str,
@@ -137,3 +178,72 @@ def gather_seq(x: Tensor, dim: int, full_len: int, world: int, group_name: str,
     y = x.reshape(shape[:dim] + [c, shape[dim] // c] + shape[dim + 1:])
     y = to_natural_order(all_gather(y, dim + 1, group_name), dim + 1, layout, world)
     return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+
+
+# ------------------------------------------------------------------ the balanced deal, read at run time
+# Custom ops: a compiled graph calls them as they are, so each call reads this step's deal.
+
+@torch.library.custom_op("autosp::balanced_slice", mutates_args=())
+def balanced_slice(x: Tensor, dim: int, full_len: int, rank: int, world: int) -> Tensor:
+    """:func:`slice_seq` under the balanced layout, with the deal of the step being run."""
+    return _slice_chunks(x, dim, full_len, rank_chunks("balanced", rank, world), n_chunks("balanced", world))
+
+
+@balanced_slice.register_fake
+def _(x: Tensor, dim: int, full_len: int, rank: int, world: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // world
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autosp::balanced_unslice", mutates_args=())
+def balanced_unslice(x: Tensor, dim: int, full_len: int, rank: int, world: int) -> Tensor:
+    """The gradient of :func:`balanced_slice`: ``x`` at this rank's chunks, zeros elsewhere."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world
+    full = x.new_zeros(shape)
+    y, _, c = _as_tokens(full, dim, full_len)
+    n = full_len // n_chunks("balanced", world)
+    mine = x.reshape(shape[:dim] + [c, -1] + shape[dim + 1:])
+    for i, k in enumerate(rank_chunks("balanced", rank, world)):
+        y.narrow(dim + 1, k * n, n).copy_(mine.narrow(dim + 1, i * n, n))
+    return full
+
+
+@balanced_unslice.register_fake
+def _(x: Tensor, dim: int, full_len: int, rank: int, world: int) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world
+    return x.new_empty(shape)
+
+
+def _slice_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.full_len, ctx.rank, ctx.world = inputs
+
+
+balanced_slice.register_autograd(
+    lambda ctx, g: (balanced_unslice(g.contiguous(), ctx.dim, ctx.full_len, ctx.rank, ctx.world),
+                    None, None, None, None), setup_context=_slice_setup)
+balanced_unslice.register_autograd(
+    lambda ctx, g: (balanced_slice(g, ctx.dim, ctx.full_len, ctx.rank, ctx.world), None, None, None, None),
+    setup_context=_slice_setup)
+
+
+@torch.library.custom_op("autosp::balanced_reorder", mutates_args=())
+def balanced_reorder(x: Tensor, dim: int, world: int, to_natural: bool) -> Tensor:
+    """:func:`to_natural_order` (or back) under the balanced layout, with the step's deal."""
+    return _reorder(x, dim, all_chunks("balanced", world), to_natural)
+
+
+@balanced_reorder.register_fake
+def _(x: Tensor, dim: int, world: int, to_natural: bool) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _reorder_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.world, ctx.to_natural = inputs
+
+
+balanced_reorder.register_autograd(
+    lambda ctx, g: (balanced_reorder(g, ctx.dim, ctx.world, not ctx.to_natural), None, None, None),
+    setup_context=_reorder_setup)

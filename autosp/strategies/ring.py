@@ -20,7 +20,7 @@ from autosp.errors import AutospError
 from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strategy, register
 from autosp.strategies.ring_costs import blockwise_kernel_calls, ring_transfers, ring_workspace
 from autosp.strategies.collectives import resolve_group
-from autosp.strategies.layout import all_chunks
+from autosp.strategies.layout import kernel_chunks
 from autosp.strategies.region import score_bytes
 from autosp.strategies.ring_kernel import ring_attention
 from autosp.strategies.ring_region import ring_region
@@ -51,7 +51,7 @@ def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
                       enable_gqa: bool = False, *, group_name: str, layout: str = "contiguous") -> Tensor:
     no_dropout("ring", dropout_p)
     world = dist.get_world_size(resolve_group(group_name))
-    out, _ = ring_attention(query, key, value, block_mask(attn_mask, query), all_chunks(layout, world), is_causal,
+    out, _ = ring_attention(query, key, value, block_mask(attn_mask, query), kernel_chunks(layout, world), is_causal,
                             softmax_scale(query, scale), group_name)
     return out
 

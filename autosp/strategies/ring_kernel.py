@@ -22,6 +22,7 @@ from torch import Tensor
 from autosp.strategies.blockwise import (acc_dtype, attend_backward, attend_forward, new_accumulator,
                                         register_blockwise)
 from autosp.strategies.collectives import resolve_group, tally, wait_all
+from autosp.strategies.layout import resolve_chunks
 
 
 def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
@@ -36,6 +37,8 @@ def _exchange(pg: dist.ProcessGroup, tensors: list[Tensor]) -> tuple[list[Tensor
 
 
 def chunks_of(all_chunks: list[int], rank: int, world: int) -> list[int]:
+    """Ring rank ``rank``'s chunk ids (``all_chunks`` may be a balanced deal's run-time marker)."""
+    all_chunks = resolve_chunks(all_chunks)
     per = len(all_chunks) // world
     return all_chunks[rank * per:(rank + 1) * per]
 

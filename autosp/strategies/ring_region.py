@@ -27,7 +27,7 @@ from torch import Tensor
 
 from autosp.strategies.blockwise import acc_dtype, new_accumulator
 from autosp.strategies.collectives import resolve_group, wait_all
-from autosp.strategies.layout import all_chunks, slice_seq
+from autosp.strategies.layout import kernel_chunks, resolve_chunks, slice_seq
 from autosp.strategies.region import Atoms, full_sizes, slice_atom
 from autosp.strategies.ring_kernel import _exchange, chunks_of
 
@@ -76,6 +76,7 @@ def region_ring_forward(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor], c
                         pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     atoms, full = _SCORES[key][1], _sizes(q, v, p)
+    chunks = resolve_chunks(chunks)
     chunk = k.shape[2] * p // len(chunks)
     acc_o, acc_l = new_accumulator(q)
     cur = [k.contiguous(), v.contiguous()]
@@ -105,6 +106,7 @@ def region_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
                          pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     atoms, full = _SCORES[key][1], _sizes(q, v, p)
+    chunks = resolve_chunks(chunks)
     chunk = k.shape[2] * p // len(chunks)
     dt = acc_dtype(q)
     do, o = dout.to(dt), out.to(dt)
@@ -187,5 +189,5 @@ def ring_region(query: Tensor, key: Tensor, value: Tensor, *extras: Any, region:
     mine = [slice_atom(x, a, "sq", full, lambda t, d: slice_seq(t, d, full["sq"], rank, world, layout))
             if isinstance(x, Tensor) else torch.scalar_tensor(x if isinstance(x, (int, float)) else x, device=query.device)
             for x, a in zip(extras, info.extras)]
-    out, _ = ring_region_op(query, key, value, mine, all_chunks(layout, world), info.score_key, group_name)
+    out, _ = ring_region_op(query, key, value, mine, kernel_chunks(layout, world), info.score_key, group_name)
     return out

@@ -67,12 +67,9 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
                           "runtime=autosp.Runtime(reduce_grads=False) "
                           "(the caller reduces them) contradicts it: pass one of the two")
     layout = layout_for(strategies, decisions.mesh.layout)
-    compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler(layout))
+    compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler())
     if provider is not None and hasattr(provider, "compiler") and provider.compiler is None:
         provider.compiler = compiler        # the planner's memory model depends on it (Inductor fuses)
-    if layout == "balanced" and compiler != "eager":
-        raise AutospError(f"layout='balanced' deals chunks per batch, which a {compiler} graph would freeze at its "
-                          "first batch; use runtime=autosp.Runtime(compiler='eager') with it, or layout='zigzag'")
     if not dist.is_available() or not dist.is_initialized():
         if mesh is not None:
             raise AutospError(f"mesh={mesh!r} needs torch.distributed initialised: call "

@@ -158,15 +158,12 @@ def _say_once(state: BackendState, report: ShardReport) -> None:
 COMPILER_ENV = "AUTOSP_COMPILER"
 
 
-def default_compiler(layout: str | None = None) -> str:
-    """The compiler when none is given: eager graphs for the ``balanced`` layout (it deals chunks
-    per batch, which a compiled graph would freeze), else ``$AUTOSP_COMPILER`` if set (a test
-    suite or a debugging session switches every model without editing the script), else Inductor."""
+def default_compiler() -> str:
+    """The compiler when none is given: ``$AUTOSP_COMPILER`` if set (a test suite or a debugging
+    session switches every model without editing the script), else Inductor."""
     env = os.environ.get(COMPILER_ENV)
     if env and env not in COMPILERS:
         raise AutospError(f"{COMPILER_ENV}={env!r} is not a compiler; use one of {', '.join(COMPILERS)}")
-    if layout == "balanced":
-        return "eager"
     return env or "inductor"
 
 
