@@ -27,6 +27,7 @@ all-reduce over the SP group completes.
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections import defaultdict
 
@@ -42,6 +43,22 @@ from autosp.errors import AutospError
 # call, at run time only: fake kernels do not count); the SP model's report() reads what one
 # step issued. The blocked seconds are the communication compute waited on: exposed.
 TALLY: defaultdict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+
+
+# Seconds the interpreter waits at exit, once this process ran collectives. Gloo's worker thread
+# drops its reference to a collective's tensors just after the wait returns; where Python had
+# already dropped its own (a gradient bucket, freed as soon as the sums are copied out), the
+# worker frees the tensor's Python object and takes the GIL to do it. If the script ended right
+# after the step, that thread finds the interpreter finalizing, is made to exit inside a C++
+# destructor, and the process aborts ("terminate called without an active exception"). A short
+# pause before finalization lets it finish.
+EXIT_GRACE_S = 0.05
+
+
+@atexit.register
+def _let_collective_threads_finish() -> None:
+    if TALLY:
+        time.sleep(EXIT_GRACE_S)
 
 
 def tally(kind: str, group_name: str, *sent: Tensor) -> None:
