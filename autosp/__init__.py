@@ -21,6 +21,7 @@ from autosp.decisions import Decisions, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 from autosp.front import compile
 from autosp.graph import OpGraph, capture
+from autosp.mixed_degree import MixedDegree
 from autosp.options import Auto, Runtime, Zero
 from autosp.planner.plan import Plan
 from autosp.planner.search import plan
@@ -28,5 +29,5 @@ from autosp.transform.api import SequenceParallel
 from autosp.transform.token_local import token_local
 
 __all__ = ["compile", "Auto", "Zero", "Runtime", "Decisions", "LayerChoice", "MeshChoice", "plan", "Plan",
-           "load_profile", "capture", "OpGraph", "SequenceParallel", "AutospError", "token_local", "checkpoint", "data"]
+           "load_profile", "capture", "OpGraph", "SequenceParallel", "MixedDegree", "AutospError", "token_local", "checkpoint", "data"]
 __version__ = "0.1.0"

@@ -1332,3 +1332,54 @@ def balanced_stream(strategy: str = "ring", docs: tuple = PACKED_STREAM, layout:
             opt.zero_grad()
     out["graphs"] = dynamo_utils.counters["stats"]["unique_graphs"] - frames
     return out
+
+
+def _rows_time(seq: dict, k: int) -> float | None:
+    """A stand-in cost model for the mixed-degree tests: work split k ways plus a price per extra rank,
+    and at most 112 / world tokens per rank (so the longest rows need every rank)."""
+    import torch.distributed as dist
+
+    n = seq["input_ids"].shape[1]
+    return None if n / k > 112 / dist.get_world_size() else n / k + 12.0 * (k - 1)
+
+
+# Per step, the documents of each row of the global batch (a row per list).
+MIXED_BATCHES = (((40, 30, 26), (16,), (8, 8, 8), (20,)), ((64, 37), (5, 5, 5, 5), (12,), (30, 2)),
+                 ((24,), (24,), (100,), (7,), (9, 9)))
+
+
+def mixed_degree_compare(batches: tuple = MIXED_BATCHES, strategy: str = "ulysses",
+                         compiler: str | None = None) -> dict[str, Any]:
+    """Global batches of rows of different lengths and documents, each row at its own SP degree,
+    against one process on the whole batch, over AdamW steps: per step the loss and worst gradient
+    error, each row's degree, and what each degree's model ran on this rank (SP degree, padded length)."""
+    import torch.distributed as dist
+
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    trainer = autosp.MixedDegree(model, _rows_time, plan=autosp.Decisions.of(strategy=strategy),
+                                 runtime=autosp.Runtime(compiler=compiler))
+    opt_ref, opt_sp = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
+    out: dict[str, Any] = {"steps": [], "rank": dist.get_rank()}
+    for step, rows in enumerate(batches):
+        batch = []
+        for r, docs in enumerate(rows):
+            ids, labels = _batch(10 * step + r, 1, sum(docs), uneven=False)
+            pos = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+            batch.append({"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False})
+        total = sum(int((s["labels"][..., 1:] != -100).sum()) for s in batch)
+        loss_ref = sum(ref(**s).loss * (int((s["labels"][..., 1:] != -100).sum()) / total) for s in batch)
+        loss_ref.backward()
+        loss = trainer.step(batch)
+        ran = {k: m.report().as_dict() for k, m in trainer.models.items() if k > 1 and m.report().padded_len}
+        out["steps"].append({
+            "loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+            "grad_err": max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())),
+            "degrees": trainer.last.degrees(), "lengths": [s["input_ids"].shape[1] for s in batch],
+            "mine": [(p.sequence, p.degree) for p in trainer.last.of_rank(dist.get_rank())],
+            "ran": {k: (r["sp_degree"], r["padded_len"], sorted({a["strategy"] for a in r["attention"]}))
+                    for k, r in ran.items()}})
+        for opt in (opt_ref, opt_sp):
+            opt.step()
+            opt.zero_grad()
+    return out

@@ -381,6 +381,13 @@ def test_the_balanced_layout_deals_each_batch_inside_an_inductor_graph(pool):
     check_balanced_stream(res, 2, "ring")
 
 
+def test_each_row_of_a_batch_at_its_own_sp_degree_on_two_ranks(pool):
+    from test_sp_4proc import check_mixed_degrees
+
+    res = run_ok(pool, "mixed_degree_compare")
+    assert check_mixed_degrees(res, 2) == [[2, 1, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1, 1]]
+
+
 def test_cu_seqlens_become_restarting_positions_and_reach_the_planner(pool):
     # The SP model gets flash-attention-style cumulative lengths, the reference the same documents
     # as position ids; auto planning (the default) costs the documents it finds in the batch.

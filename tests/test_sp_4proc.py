@@ -295,3 +295,31 @@ def test_the_balanced_layout_deals_each_batch_across_a_hybrid_grid(pool):
     res = run_ok(pool, "balanced_stream", strategy="hybrid:2x2", compiler="aot_eager")
     assert {s["compiler"] for s in res[0]["steps"]} == {"aot_eager"}
     check_balanced_stream(res, 4, "hybrid:2x2")
+
+
+def check_mixed_degrees(res, world):
+    """Every step exact against one process on the whole batch; each row ran at the degree the schedule
+    gave it, on the ranks of its group (the degree's model reports that SP degree and the row's padded
+    length); every rank ran what the schedule placed on it and nothing else."""
+    from dist_cases import MIXED_BATCHES
+
+    for step, rows in enumerate(MIXED_BATCHES):
+        here = [r["steps"][step] for r in res]
+        assert all(s["loss_err"] <= 1e-5 and s["grad_err"] <= 1e-4 for s in here), here
+        degrees = here[0]["degrees"]
+        assert all(s["degrees"] == degrees for s in here)
+        for r, s in zip(res, here):
+            for seq, k in s["mine"]:
+                assert degrees[seq] == k
+                if k > 1:
+                    assert s["ran"][k][0] == k and s["ran"][k][2] == ["ulysses"]
+        held = sorted((seq, r["rank"]) for r, s in zip(res, here) for seq, _ in s["mine"])
+        assert [len([1 for q, _ in held if q == i]) for i in range(len(rows))] == degrees   # k ranks per row
+    return [r["steps"][step]["degrees"] for step in range(len(MIXED_BATCHES)) for r in res[:1]]
+
+
+def test_each_row_of_a_batch_at_its_own_sp_degree(pool):
+    """Rows of 7 to 101 tokens in one global batch: the long ones over all 4 ranks, short ones alone or
+    in pairs, in one step, through AOTAutograd; gradients summed once over the world."""
+    res = run_ok(pool, "mixed_degree_compare", compiler="aot_eager")
+    assert check_mixed_degrees(res, 4) == [[4, 1, 1, 1], [4, 1, 1, 2], [1, 1, 4, 1, 1]]

@@ -1,0 +1,113 @@
+"""Train each sequence of a global batch at its own SP degree (:mod:`autosp.planner.assign`).
+
+    trainer = autosp.MixedDegree(model, time_of=times)        # every rank, after init_process_group
+    for batch in loader:                                       # the same global batch on every rank
+        loss = trainer.step(batch)                             # forward + backward, gradients summed
+        optimizer.step(); optimizer.zero_grad()
+
+``batch`` is a list of sequences, each the model's keyword inputs for one row (``input_ids``,
+``labels``, optionally ``position_ids``). The process groups of every degree are formed once, at
+construction; the model is compiled once per degree this rank takes part in. Each step the
+schedule places every sequence on a group; this rank runs its placements in start order, scaling
+each sequence's mean loss by its share of the batch's predicted tokens, so that after one sum of
+the gradients over the world they equal one process's on the whole batch (the loss it returns is
+that process's loss: the token-weighted mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autosp.errors import AutospError
+from autosp.planner.assign import Assignment, assign
+
+Times = Callable[[dict[str, torch.Tensor], int], "float | None"]
+
+
+def _tokens(seq: dict[str, torch.Tensor]) -> int:
+    """Tokens whose next token is predicted (a causal LM's shifted labels that are not -100)."""
+    labels = seq.get("labels")
+    if labels is None:
+        raise AutospError("each sequence needs labels (the loss is weighted by the tokens it predicts)")
+    return int((labels[..., 1:] != -100).sum())
+
+
+class MixedDegree:
+    """``model`` trained with a per-batch SP degree per sequence (module docstring).
+
+    Args:
+        model: the model (its parameters are shared by every degree's compiled copy).
+        time_of: seconds a sequence takes at an SP degree, None where it does not fit (from the cost
+            model: ``bench/per_batch.py`` shows one); the schedule minimises the step's makespan.
+        degrees: the SP degrees allowed (divisors of the world size; default: all).
+        compile_options: passed to ``autosp.compile`` for each degree above 1 (the plan, compiler).
+    """
+
+    def __init__(self, model: nn.Module, time_of: Times, degrees: Sequence[int] | None = None,
+                 **compile_options: Any):
+        import autosp
+        from autosp.options import Runtime
+
+        if not dist.is_initialized():
+            raise AutospError("MixedDegree places sequences on process groups: call "
+                              "torch.distributed.init_process_group() first, e.g. under torchrun")
+        self.model, self.time_of = model, time_of
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.degrees = sorted(set(degrees or [k for k in range(1, self.world + 1) if self.world % k == 0]))
+        if any(k < 1 or self.world % k for k in self.degrees):
+            raise AutospError(f"SP degrees {self.degrees} must divide the world size {self.world}")
+        runtime = replace(compile_options.pop("runtime", None) or Runtime(), reduce_grads=False)  # summed here
+        self.models: dict[int, nn.Module] = {1: model}
+        for k in self.degrees:
+            if k == 1:
+                continue
+            if k == self.world:
+                mine = dist.group.WORLD
+            else:                       # every rank forms every group, in the same order
+                mine = None
+                for g in range(self.world // k):
+                    pg = dist.new_group(list(range(g * k, (g + 1) * k)))
+                    if self.rank // k == g:
+                        mine = pg
+            self.models[k] = autosp.compile(model, mesh=mine, runtime=runtime, **compile_options)
+        self.last: Assignment | None = None
+
+    def schedule(self, batch: Sequence[dict[str, torch.Tensor]]) -> Assignment:
+        """Each sequence's degree and group for ``batch`` (the same on every rank)."""
+        return assign(lambda i, k: self.time_of(batch[i], k), len(batch), self.world, self.degrees)
+
+    def step(self, batch: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of the global ``batch``; returns its loss (token-weighted mean)."""
+        if not batch:
+            raise AutospError("an empty batch: give at least one sequence")
+        self.last = plan = self.schedule(batch)
+        total = sum(_tokens(s) for s in batch)
+        mine = plan.of_rank(self.rank)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for p in mine:
+            seq = batch[p.sequence]
+            out = self.models[p.degree](**seq)
+            loss = out.loss if hasattr(out, "loss") else out
+            share = _tokens(seq) / total
+            (loss * share).backward()
+            if self.rank == p.ranks[0]:       # the group's first rank counts its sequence once
+                loss_sum += loss.detach().double() * share
+        self._sum_gradients()
+        dist.all_reduce(loss_sum)
+        return loss_sum.float()
+
+    def _sum_gradients(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
