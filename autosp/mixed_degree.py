@@ -16,6 +16,7 @@ that process's loss: the token-weighted mean).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -53,11 +54,12 @@ class MixedDegree:
         import autosp
         from autosp.options import Runtime
 
-        if not dist.is_initialized():
-            raise AutospError("MixedDegree places sequences on process groups: call "
-                              "torch.distributed.init_process_group() first, e.g. under torchrun")
         self.model, self.time_of = model, time_of
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if not self.distributed:
+            warnings.warn("torch.distributed is not initialised: MixedDegree runs every sequence on this process "
+                          "(SP degree 1); launch with torchrun to place them on groups of ranks", stacklevel=2)
+        self.world, self.rank = (dist.get_world_size(), dist.get_rank()) if self.distributed else (1, 0)
         self.degrees = sorted(set(degrees or [k for k in range(1, self.world + 1) if self.world % k == 0]))
         if any(k < 1 or self.world % k for k in self.degrees):
             raise AutospError(f"SP degrees {self.degrees} must divide the world size {self.world}")
@@ -97,8 +99,9 @@ class MixedDegree:
             (loss * share).backward()
             if self.rank == p.ranks[0]:       # the group's first rank counts its sequence once
                 loss_sum += loss.detach().double() * share
-        self._sum_gradients()
-        dist.all_reduce(loss_sum)
+        if self.distributed:
+            self._sum_gradients()
+            dist.all_reduce(loss_sum)
         return loss_sum.float()
 
     def _sum_gradients(self) -> None:

@@ -41,3 +41,19 @@ def test_bad_degrees_and_rows_that_fit_nowhere_are_refused_by_name():
         assign(lengths_cost([1], 8), 1, 4, (3,))
     with pytest.raises(AutospError, match="sequence 0 fits at none of the SP degrees"):
         assign(lengths_cost([100], 8), 1, 4, (1, 2, 4))
+
+
+def test_the_per_batch_benchmark_predicts_a_cluster_step():
+    """bench/per_batch.py's prediction runs (one small step): both schedules, several degrees."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "bench/per_batch.py", "--steps", "1", "--tokens", "524288"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = next(line for line in run.stdout.splitlines() if line.strip().startswith("0 "))
+    assert len(re.search(r"k=\[([\d, ]+)\]", row).group(1).split(",")) >= 3, row
+    assert re.search(r"speed-up \d+\.\d\dx", run.stdout), run.stdout

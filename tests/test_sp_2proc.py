@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-import autosp
-
 from dist_harness import Pool
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -379,13 +377,6 @@ def test_the_balanced_layout_deals_each_batch_inside_an_inductor_graph(pool):
     res = run_ok(pool, "balanced_stream", strategy="ring", compiler="inductor")
     assert {s["compiler"] for s in res[0]["steps"]} == {"inductor"}
     check_balanced_stream(res, 2, "ring")
-
-
-def test_each_row_of_a_batch_at_its_own_sp_degree_on_two_ranks(pool):
-    from test_sp_4proc import check_mixed_degrees
-
-    res = run_ok(pool, "mixed_degree_compare")
-    assert check_mixed_degrees(res, 2) == [[2, 1, 1, 1], [2, 1, 1, 1], [1, 1, 2, 1, 1]]
 
 
 def test_cu_seqlens_become_restarting_positions_and_reach_the_planner(pool):
