@@ -87,6 +87,8 @@ class MixedDegree:
         """Forward and backward of the global ``batch``; returns its loss (token-weighted mean)."""
         if not batch:
             raise AutospError("an empty batch: give at least one sequence")
+        if self.distributed:
+            self._check_same_batch(batch)
         self.last = plan = self.schedule(batch)
         total = sum(_tokens(s) for s in batch)
         mine = plan.of_rank(self.rank)
@@ -103,6 +105,22 @@ class MixedDegree:
             self._sum_gradients()
             dist.all_reduce(loss_sum)
         return loss_sum.float()
+
+    def _check_same_batch(self, batch: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Every rank must hold the same global batch (each computes the same schedule from it); a
+        batch that differs would leave ranks waiting on collectives the others never call."""
+        digest = len(batch)
+        for i, seq in enumerate(batch):
+            ids = seq.get("input_ids")
+            row = (ids.shape[-1], int(ids.long().sum())) if isinstance(ids, torch.Tensor) else (0, 0)
+            digest = (digest * 1000003 + (i + 1) * (row[0] * 7919 + row[1])) % (1 << 61)
+        here = torch.tensor([digest, -digest], dtype=torch.int64)
+        seen = here.clone()
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if int(seen[0]) != digest or int(seen[1]) != -digest:
+            raise AutospError("the global batch differs across ranks (its rows' lengths or token ids); MixedDegree "
+                              "places every row on a group itself, so give every rank the same whole batch "
+                              "(the same data-loader seed), not a shard of it")
 
     def _sum_gradients(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1383,3 +1383,18 @@ def mixed_degree_compare(batches: tuple = MIXED_BATCHES, strategy: str = "ulysse
             opt.step()
             opt.zero_grad()
     return out
+
+
+def mixed_degree_differing_batches() -> str:
+    """Rank 1 holds another global batch than the others: refused on every rank, before any collective
+    the others would wait on."""
+    import torch.distributed as dist
+
+    trainer = autosp.MixedDegree(build("llama"), _rows_time, plan=autosp.Decisions.of(strategy="ulysses"))
+    n = 20 + (dist.get_rank() == 1)
+    ids = torch.zeros(1, n, dtype=torch.long)
+    try:
+        trainer.step([{"input_ids": ids, "labels": ids, "use_cache": False}])
+    except AutospError as e:
+        return str(e)
+    return "not refused"

@@ -509,3 +509,25 @@ def test_attention_written_by_hand_is_planned_with_the_strategies_that_can_run_i
             ring = predict(g, prof, sp=2, strategy="ring", seq_len=256)
             saved = {k: ulysses.attention_saved[k] - ring.attention_saved[k] for k in ring.attention_saved}
             assert all(v >= 4 * 4 * 256 * 256 / 2 for v in saved.values()), saved
+
+
+def test_the_planner_deals_chunks_from_the_documents_where_that_pays(tiny6):
+    """Packed documents of one long and eight short: the balanced layout (chunks dealt from the
+    documents, as the wrapper deals them) evens the blockwise work where zigzag cannot, and the
+    planner takes it; without documents it keeps zigzag."""
+    from autosp.strategies.base import AttentionShape, SPMesh
+    from autosp.strategies.ring_costs import blockwise_kernel_calls
+
+    docs = (1024,) * 8 + (24576,)
+    p = plan(None, graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
+             sp_degrees=(4,), documents=docs)
+    assert p.mesh.layout == "balanced", p.mesh
+    assert any(a["layout"] == "zigzag" and a["total_s"] > p.predicted["total_s"] for a in p.alternatives)
+    plain = plan(None, graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
+                 sp_degrees=(4,))
+    assert plain.mesh.layout == "zigzag"
+    shape = AttentionShape(heads=6, kv_heads=2, head_dim=16, seq_len=32768, causal=True, masked=True, documents=docs)
+    tiles = {lay: [calls[0].count for calls in blockwise_kernel_calls(shape, SPMesh(4, lay), 6, 4)]
+             for lay in ("zigzag", "balanced")}
+    assert max(tiles["balanced"]) < max(tiles["zigzag"]), tiles
+    assert max(tiles["balanced"]) / (sum(tiles["balanced"]) / 4) <= 1.1, tiles

@@ -323,3 +323,8 @@ def test_each_row_of_a_batch_at_its_own_sp_degree(pool):
     in pairs, in one step, through AOTAutograd; gradients summed once over the world."""
     res = run_ok(pool, "mixed_degree_compare", compiler="aot_eager")
     assert check_mixed_degrees(res, 4) == [[4, 1, 1, 1], [4, 1, 1, 2], [1, 1, 4, 1, 1]]
+
+
+def test_a_global_batch_that_differs_across_ranks_is_refused_on_every_rank(pool):
+    for msg in run_ok(pool, "mixed_degree_differing_batches"):
+        assert msg.startswith("the global batch differs across ranks") and "the same whole batch" in msg, msg

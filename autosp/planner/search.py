@@ -30,7 +30,7 @@ from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import Candidate, Option, Solution, peak_bytes, phase_bytes, solve_k_best
 from autosp.planner.plan import LayerPlan, Plan, model_fingerprint
 from autosp.strategies import SPMesh, candidates, resolve
-from autosp.strategies.layout import PLANNED_LAYOUTS, n_chunks
+from autosp.strategies.layout import n_chunks, planned_layouts
 
 
 # The share of the memory limit a plan leaves free: the memory model's tolerance (its predicted
@@ -85,7 +85,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         kept = {m: layer_saved(graph, tokens, *m) for m in everything}
         own = {(fp, *m): own_bytes(graph, tokens, fp, *m) for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
-        for layout, kl in itertools.product(PLANNED_LAYOUTS if sp > 1 else PLANNED_LAYOUTS[:1], loss_chunks):
+        layouts = planned_layouts(tuple(documents)) if sp > 1 else planned_layouts()[:1]
+        for layout, kl in itertools.product(layouts, loss_chunks):
             if seq_len % n_chunks(layout, sp):
                 continue
             mesh = SPMesh(sp, layout, dpn, overlap)

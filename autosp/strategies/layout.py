@@ -23,6 +23,8 @@ positions, masks, activations) follows it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -30,11 +32,26 @@ from autosp.decisions import LAYOUTS          # one definition: the decisions ca
 from autosp.errors import AutospError
 from autosp.strategies.collectives import all_gather
 
-PLANNED_LAYOUTS = ("contiguous", "zigzag")      # balanced depends on each batch's documents
+PLANNED_LAYOUTS = ("contiguous", "zigzag")      # balanced depends on each batch's documents:
 BALANCED_CHUNKS = 4                             # chunks per rank under the balanced layout
 
 # SP degree -> chunk ids per rank for the current batch (one SP group per process).
 _BALANCED: dict[int, list[list[int]]] = {}
+
+
+def planned_layouts(documents: tuple[int, ...] = ()) -> tuple[str, ...]:
+    """The layouts the planner weighs: balanced too where it knows the batch's documents."""
+    return PLANNED_LAYOUTS + ("balanced",) if documents else PLANNED_LAYOUTS
+
+
+def dealt_for(documents: tuple[int, ...], world: int) -> list[list[int]]:
+    """The balanced deal of a row packing ``documents`` (what the wrapper deals for such a batch)."""
+    return _dealt(tuple(documents), world)
+
+
+@functools.lru_cache(maxsize=64)
+def _dealt(documents: tuple[int, ...], world: int) -> list[list[int]]:
+    return deal_balanced(torch.cat([torch.arange(n) for n in documents]).unsqueeze(0), world)
 
 
 def check_layout(layout: str) -> str:

@@ -9,7 +9,7 @@ import math
 
 from autosp.strategies.base import AttentionShape, KernelCall, SPMesh, Transfer
 from autosp.strategies.blockwise import tiles_per_chunk
-from autosp.strategies.layout import n_chunks, rank_chunks
+from autosp.strategies.layout import dealt_for, n_chunks, rank_chunks
 
 
 def blockwise_kernel_calls(shape: AttentionShape, mesh: SPMesh, heads: float, ring: int) -> list[list[KernelCall]]:
@@ -28,8 +28,10 @@ def blockwise_kernel_calls(shape: AttentionShape, mesh: SPMesh, heads: float, ri
     c = shape.seq_len / n
     d = shape.head_dim
     out = []
+    # balanced: the chunks the wrapper deals for these documents (else its default pattern)
+    dealt = dealt_for(shape.documents, sp) if lay == "balanced" and shape.documents else None
     for g in range(ring):
-        ids = [x for j in range(u) for x in rank_chunks(lay, g * u + j, sp)]
+        ids = [x for j in range(u) for x in (dealt[g * u + j] if dealt else rank_chunks(lay, g * u + j, sp))]
         if shape.masked:
             out.append([masked_tile_calls(shape, heads, ids, n, c)])
         elif shape.causal:
