@@ -123,12 +123,16 @@ class MixedDegree:
                               "(the same data-loader seed), not a shard of it")
 
     def _sum_gradients(self) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        """Each rank's partial gradients summed over the world: one all-reduce per parameter dtype."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
