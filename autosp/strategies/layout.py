@@ -197,28 +197,6 @@ def gather_seq(x: Tensor, dim: int, full_len: int, world: int, group_name: str,
     return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
 
 
-# ------------------------------------------------------------------ tokens held, counted as the graph runs
-
-# By SP group name: how many tokens of the step's input this rank's slice held (the report's tokens
-# per rank, observed rather than derived from the padded length; the wrapper zeroes it per step).
-HELD_TOKENS: dict[str, int] = {}
-
-
-@torch.library.custom_op("autosp::count_tokens", mutates_args=())
-def count_tokens(x: Tensor, dim: int, group_name: str) -> Tensor:
-    """``x`` (this rank's slice of an input), its length along ``dim`` recorded in :data:`HELD_TOKENS`."""
-    HELD_TOKENS[group_name] = x.shape[dim]
-    return x.clone()
-
-
-@count_tokens.register_fake
-def _(x: Tensor, dim: int, group_name: str) -> Tensor:
-    return torch.empty_like(x)
-
-
-count_tokens.register_autograd(lambda ctx, g: (g, None, None))
-
-
 # ------------------------------------------------------------------ the balanced deal, read at run time
 # Custom ops: a compiled graph calls them as they are, so each call reads this step's deal.
 

@@ -25,7 +25,7 @@ from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
 from autosp.strategies import AUTO, SPMesh, required_layout, resolve
 from autosp.strategies.collectives import TALLY
-from autosp.strategies.layout import HELD_TOKENS, check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
+from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
 from autosp.transform.first_call import (check_deepspeed_groups, check_first_call, check_same_batch,
                                         refuse_partitioned_parameters)
@@ -160,7 +160,7 @@ class SequenceParallel(nn.Module):
                 self.config.compiler == "eager" or not self.config.mlp_region_of_its_own(i))
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
-                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=HELD_TOKENS.get(self.group.group_name, 0),
+                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
                 checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
@@ -223,7 +223,6 @@ class SequenceParallel(nn.Module):
         self.state.seq_len = padded_len
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
-        HELD_TOKENS[self.group.group_name] = 0          # the graph counts this step's (count_tokens)
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"

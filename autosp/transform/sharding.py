@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from autosp.errors import AutospError
 from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
-from autosp.strategies.layout import count_tokens, gather_seq, slice_seq
+from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.attention_region import REGION_TARGETS
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
@@ -178,7 +178,6 @@ class Sharder:
         self.place: dict[fx.Node, tuple[int, ...] | None] = {}   # None = R
         self.local_sym: set[fx.Node] = set()
         self.slices: dict[tuple[fx.Node, int], fx.Node] = {}
-        self.counted = False                # the first sliced input counts the tokens held (count_tokens)
         self.local_len: dict[fx.Node, fx.Node] = {}
         self.params: set[fx.Node] = set()
         self.with_grad: list[fx.Node] = []          # inputs that require grad
@@ -618,13 +617,6 @@ class Sharder:
             s.meta = _inserted_meta(a)
             self.place[s] = dims
             self.slices[key] = s
-            if a.op == "placeholder" and not self.counted:     # the step's input: count what it held
-                self.counted = True
-                with self.graph.inserting_after(s):
-                    c = self.graph.call_function(count_tokens, (s, dims[0], self.ctx.group_name))
-                c.meta = dict(s.meta)
-                self.place[c] = dims
-                self.slices[key] = c
         return self.slices[key]
 
     def _repeats_tokens(self, rep: fx.Node, a: fx.Node) -> bool:
