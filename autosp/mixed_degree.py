@@ -54,6 +54,11 @@ class MixedDegree:
         import autosp
         from autosp.options import Runtime
 
+        fixed = sorted(set(compile_options) & {"mesh", "zero"})
+        if fixed:
+            raise AutospError(f"MixedDegree forms its own process group per degree and sums gradients once over "
+                              f"the world; it takes no {' or '.join(fixed)} (ZeRO sharding per degree's group would "
+                              "split the one model's parameters several ways): leave it out")
         self.model, self.time_of = model, time_of
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed:

@@ -57,3 +57,12 @@ def test_the_per_batch_benchmark_predicts_a_cluster_step():
     row = next(line for line in run.stdout.splitlines() if line.strip().startswith("0 "))
     assert len(re.search(r"k=\[([\d, ]+)\]", row).group(1).split(",")) >= 3, row
     assert re.search(r"speed-up \d+\.\d\dx", run.stdout), run.stdout
+
+
+def test_mixed_degree_refuses_a_mesh_or_zero_sharding_it_cannot_honour():
+    import torch
+
+    import autosp
+
+    with pytest.raises(AutospError, match="it takes no mesh or zero"):
+        autosp.MixedDegree(torch.nn.Linear(2, 2), lambda row, k: 1.0, mesh=2, zero=3)

@@ -44,13 +44,9 @@ def planned_layouts(documents: tuple[int, ...] = ()) -> tuple[str, ...]:
     return PLANNED_LAYOUTS + ("balanced",) if documents else PLANNED_LAYOUTS
 
 
+@functools.lru_cache(maxsize=64)
 def dealt_for(documents: tuple[int, ...], world: int) -> list[list[int]]:
     """The balanced deal of a row packing ``documents`` (what the wrapper deals for such a batch)."""
-    return _dealt(tuple(documents), world)
-
-
-@functools.lru_cache(maxsize=64)
-def _dealt(documents: tuple[int, ...], world: int) -> list[list[int]]:
     return deal_balanced(torch.cat([torch.arange(n) for n in documents]).unsqueeze(0), world)
 
 
