@@ -75,7 +75,7 @@ def loss_gradient_buffer(graph: OpGraph, tokens: float) -> float:
 
 
 def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunks: int,
-              keep_mlp_input: bool = True) -> dict[str, float]:
+              keep_mlp_input: bool = True, fused: bool = False) -> dict[str, float]:
     """What one layer of class ``fp`` holds during its own backward beyond what its option keeps:
     its activations come back as without checkpointing (recomputed), a tiled MLP's one chunk at a
     time. A checkpointed layer's tiled MLP is its own recompute region (compiled), whose backward
@@ -83,7 +83,10 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
     the rest's recompute brings back what the partitioner would save of it, not what eager
     autograd saves (the captured schedule's phase has those). Recomputed with the whole layer
     (``keep_mlp_input=False``), the rest's recompute comes first and stays through the chunks' (as
-    eager autograd saves it: ``aot_eager`` and, measured, Inductor hold that)."""
+    eager autograd saves it: ``aot_eager`` and, measured, Inductor hold that). There its RMSNorms
+    run as one op each (:mod:`autosp.transform.fused_norm`), which ``aot_eager`` holds without their
+    copies (:mod:`autosp.costmodel.fused_norm`); ``fused`` (Inductor) keeps the unfused count:
+    measured, Inductor's peak moved by a fifth of that or not at all (bench/README.md)."""
     none = layer_saved(graph, tokens, "none", 1, compiled=False)[fp]   # what its backward reads
     kept = layer_saved(graph, tokens, checkpoint, mlp_chunks, keep_mlp_input=keep_mlp_input)[fp]
     tiled = mlp_saved(graph, tokens, compiled=False)[fp]
@@ -98,8 +101,14 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
     rest = none - kept - (rest_eager - rest_compiled)
     if checkpoint == "full" and not keep_mlp_input:
         # the recompute replays the rest's forward ops, so what its backward reads is back as eager
-        # autograd saves it (measured: the probe, bench/memory_decisions.py), beside one chunk
-        return {"mlp": chunk + rest_eager - kept, "rest": rest}
+        # autograd saves it (measured: the probe, bench/memory_decisions.py), beside one chunk; its
+        # RMSNorms run fused there (transform/fused_norm.py), saving their input only
+        from autosp.costmodel.fused_norm import fused_norm_saving
+        from autosp.costmodel.memory import tiled_region
+
+        norms = 0.0 if fused else \
+            fused_norm_saving(graph, tokens, tiled_region(graph, graph.layer_classes[fp].captured[0]))[fp]
+        return {"mlp": chunk + rest_eager - norms - kept, "rest": rest}
     return {"mlp": chunk, "rest": rest}
 
 
@@ -122,7 +131,8 @@ def with_strategy_own(own: dict[str, float], strategy_own: float, workspace: flo
 
 
 def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]],
-                 attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset()) -> float:
+                 attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset(),
+                 fused: bool = False) -> float:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks[, keep the
     MLP's input]) choices;
     ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`);
@@ -136,7 +146,7 @@ def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice:
     for key, base in terms.items():
         if key != "loss":
             fp, phase = key
-            own = with_strategy_own(own_bytes(graph, tokens, fp, *choice[fp]), extra[fp]["own"], 0.0,
+            own = with_strategy_own(own_bytes(graph, tokens, fp, *choice[fp], fused=fused), extra[fp]["own"], 0.0,
                                     LayerChoice(**dict(zip(("checkpoint", "mlp_chunks", "keep_mlp_input"),
                                                            choice[fp]))).mlp_with_layer)
             own = offloaded_own(own, kept[fp]) if fp in offloaded else \

@@ -335,4 +335,4 @@ def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: st
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
     choice = {fp: (checkpoint, mlp_chunks, keep_mlp_input) for fp in graph.layer_classes}
     return decided_peak(graph, tokens, terms, choice,
-                        p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset())
+                        p.attention_saved, frozenset(graph.layer_classes) if offload else frozenset(), fused)

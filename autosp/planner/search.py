@@ -83,7 +83,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)
         kept = {m: layer_saved(graph, tokens, *m) for m in everything}
-        own = {(fp, *m): own_bytes(graph, tokens, fp, *m) for fp in graph.layer_classes for m in everything}
+        own = {(fp, *m): own_bytes(graph, tokens, fp, *m, fused=fused)
+               for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         layouts = planned_layouts(tuple(documents)) if sp > 1 else planned_layouts()[:1]
         for layout, kl in itertools.product(layouts, loss_chunks):

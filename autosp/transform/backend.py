@@ -22,6 +22,7 @@ from autosp.decisions import Decisions
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.transform.attention_region import extract_regions
+from autosp.transform.fused_norm import fuse_layer_norms
 from autosp.transform.checkpointing import apply_checkpointing, tag_for_recompute
 from autosp.transform.offload import OffloadingPartitioner
 from autosp.transform.sharding import SDPA_TARGETS, ShardContext, ShardReport, _where, shard_graph
@@ -118,6 +119,12 @@ class SPConfig:
         layers = self.decisions.layers
         # (modulo: the report counts the attention ops of every graph compiled, a recompile's again)
         return layers[layer % len(layers)].mlp_region_of_its_own
+
+    def norms_fused(self, layer: int) -> bool:
+        """Layer ``layer``'s RMSNorms run as one op each (fused_norm.py): where its tiled MLP
+        recomputes with the whole layer, whose recomputed tensors then wait through the chunks."""
+        layers = self.decisions.layers
+        return layers[layer % len(layers)].mlp_with_layer
 
     @property
     def layout(self) -> str:
@@ -248,6 +255,8 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         if config.loss_chunks > 1 and report.attention:
             report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name,
                                                  aot=config.compiler != "eager")
+        if report.attention:
+            report.fused_norms = fuse_layer_norms(gm, config.layer_paths, config.norms_fused)
         chunks = config.mlp_chunks
         if report.attention and (chunks > 1 if isinstance(chunks, int) else any(c > 1 for c in chunks)):
             report.tiled_mlps = tile_mlps(gm, chunks if isinstance(chunks, int) else chunks.__getitem__,

@@ -32,6 +32,7 @@ class AttentionRow:
     # fully checkpointed and tiled: its MLP recomputed with the whole layer from the layer's input
     # (eager graphs always; compiled, LayerChoice.keep_mlp_input=False), else as a region of its own
     mlp_with_layer: bool = False
+    fused_norms: int = 0           # its layer's RMSNorms run as one op each (transform/fused_norm.py)
 
 
 @dataclass

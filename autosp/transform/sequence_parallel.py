@@ -151,6 +151,7 @@ class SequenceParallel(nn.Module):
         mesh = SPMesh(self.sp_degree, self.config.layout)
         modes = self.config.checkpoint
         tiled = {layer: k for r in self.state.reports for layer, k in r.mlp_chunks.items()}
+        fused = {layer: k for r in self.state.reports for layer, k in r.fused_norms.items()}
         rows = []
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
             strat = resolve(spec)
@@ -161,7 +162,8 @@ class SequenceParallel(nn.Module):
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
                 ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
-                checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap))
+                checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
+                fused_norms=fused.get(i, 0)))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)

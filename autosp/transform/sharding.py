@@ -129,6 +129,7 @@ class ShardReport:
     param_gathers: int = 0            # ZeRO 3: parameter all-gathers per forward, one per unit (zero/gather.py)
     param_prefetched: int = 0         # of which started while the unit before computes (zero/prefetch.py)
     mlp_chunks: dict[int, int] = field(default_factory=dict)   # layer index -> chunks its MLP ran in
+    fused_norms: dict[int, int] = field(default_factory=dict)  # layer index -> RMSNorms run as one op
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
     local_outputs: int = 0
