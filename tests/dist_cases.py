@@ -322,6 +322,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
     out["attention_ops"] = sp.state.attention_ops
     out["strategies"] = sp.state.strategies          # the spec that ran, per attention op
     out["report"] = sp.report().as_dict()            # of the last step: collectives, tokens per rank
+    out["labels"] = labels                           # the last step's
     out["graphs"] = len(sp.state.reports)
     out["replicated_params"] = sum(r.replicated_params for r in sp.state.reports)
     out["replicated_work"] = [w for r in sp.state.reports for w in r.replicated_work]

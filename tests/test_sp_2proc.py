@@ -152,10 +152,23 @@ def test_overlap_false_runs_the_plain_form(pool):
     check_ran(res[0], "ulysses", world=2)
 
 
+def check_loss_tokens(res, world: int = 2) -> None:
+    """Each rank's loss counted, as its graph ran, the labelled tokens of its contiguous share of
+    the padded sequence, the labels shifted by one as a causal LM's loss shifts them."""
+    labels, padded = res[0]["labels"], res[0]["report"]["padded_len"]
+    shifted = torch.full((labels.shape[0], padded), -100)
+    shifted[:, :labels.shape[1] - 1] = labels[:, 1:]
+    per = padded // world
+    held = [int((shifted[:, r * per:(r + 1) * per] != -100).sum()) for r in range(world)]
+    assert [r["report"]["loss_tokens"] for r in res] == held, held
+
+
 def test_uneven_ignored_labels_and_odd_length(pool):
     # 33 tokens on 2 ranks: padded to 34; most ignored labels sit on rank 0's half.
     res = run_ok(pool, "train_compare", kind="llama", strategy="ulysses", seq_len=33, uneven=True)
     check_exact(res, ["ulysses"] * 2)
+    check_loss_tokens(res)
+    assert res[0]["report"]["loss_tokens"] < res[1]["report"]["loss_tokens"]
 
 
 @pytest.mark.parametrize("kind,strategy,layout,compiler", [
@@ -412,6 +425,7 @@ def test_tiled_head_and_loss_is_exact(pool, strategy):
     check_first_step_exact(res, [strategy] * 2)
     assert all(r["tiled_losses"] == 1 for r in res)
     check_ran(res[0], strategy, world=2)
+    check_loss_tokens(res)          # counted by the tiled loss's chunks
 
 
 def test_tiled_head_and_loss_never_holds_the_whole_shards_logits(pool):

@@ -14,6 +14,23 @@ from torch import Tensor
 
 from autosp.strategies.collectives import all_reduce_sum
 
+# By group: this rank's count of labelled tokens in the last loss made global over it, as the
+# loss computed it (a tensor: read with .item() only when a report asks, never a sync per step)
+LOSS_TOKENS: dict[str, Tensor] = {}
+
+
+@torch.library.custom_op("autosp::all_reduce_count", mutates_args=())
+def all_reduce_count(count: Tensor, group_name: str) -> Tensor:
+    """``all_reduce_sum`` of this rank's labelled tokens, which it keeps for ``report()``: what each
+    rank's loss covered, counted as the graph runs."""
+    LOSS_TOKENS[group_name] = count.detach().clone()
+    return all_reduce_sum(count, group_name)
+
+
+@all_reduce_count.register_fake
+def _(count: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(count)
+
 
 def sharded_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
                           size_average=None, ignore_index: int = -100, reduce=None,  # noqa: ANN001
@@ -33,7 +50,7 @@ def sharded_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None =
         count = valid.sum().to(total.dtype)
     else:
         count = (weight[target.clamp(min=0)] * valid).sum().to(total.dtype)
-    return total / all_reduce_sum(count.detach(), group_name)
+    return total / all_reduce_count(count.detach(), group_name)
 
 
 def global_sum(x: Tensor, *, group_name: str) -> Tensor:

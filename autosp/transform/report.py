@@ -54,6 +54,9 @@ class SPReport:
     work_per_rank: list[float] = field(default_factory=list)
     plans: int = 0                 # batch-shape buckets planned so far (plan="auto")
     compiled_variants: int = 1     # distinct decisions compiled so far (one compiled model each)
+    # labelled tokens this rank's loss covered in the last step, counted as its graph ran (None: no
+    # loss was made global over the model's group, e.g. a model that returns logits only)
+    loss_tokens: int | None = None
 
     @property
     def work_balance(self) -> float:

@@ -31,6 +31,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
                                         refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
+from autosp.transform.loss import LOSS_TOKENS
 from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
 from autosp.transform.zero.grad_reducer import GradReducer
@@ -187,7 +188,8 @@ class SequenceParallel(nn.Module):
                         attention=rows, collectives=counts,
                         work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
                         if "positions" in step else [],
-                        plans=len(self._plans), compiled_variants=max(len(self._variants), 1))
+                        plans=len(self._plans), compiled_variants=max(len(self._variants), 1),
+                        loss_tokens=_loss_tokens((self.config.loss_group or self.group).group_name))
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -225,6 +227,7 @@ class SequenceParallel(nn.Module):
         self.state.seq_len = padded_len
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
+        LOSS_TOKENS.pop((self.config.loss_group or self.group).group_name, None)     # this step's, or none
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
@@ -350,3 +353,8 @@ def _own_errors() -> Iterator[None]:
         if inner is None:
             raise
         raise AutospError(str(inner)) from None
+
+
+def _loss_tokens(group_name: str) -> int | None:
+    count = LOSS_TOKENS.get(group_name)
+    return None if count is None else int(count.item())

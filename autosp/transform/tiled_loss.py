@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from autosp.strategies.collectives import all_reduce_sum
-from autosp.transform.loss import sharded_cross_entropy
+from autosp.transform.loss import all_reduce_count, sharded_cross_entropy
 from autosp.transform.tiled_mlp import token_split
 
 _LINEAR = {torch._C._nn.linear, F.linear}
@@ -69,7 +69,7 @@ def global_loss(parts: list[Tensor], target: Tensor, *, group_name: str, ignore_
     if reduction == "sum":
         return total
     count = (target.reshape(-1) != ignore_index).sum().to(total.dtype)
-    return total / all_reduce_sum(count.detach(), group_name)
+    return total / all_reduce_count(count.detach(), group_name)
 
 
 def _chunked_nodes(graph: fx.Graph, h: fx.Node, weight: Any, bias: Any, target: Any, chunks: int, upcast: bool,
