@@ -43,7 +43,7 @@ def test_the_op_gives_the_modules_output_bits_and_autograds_gradients(dtype):
         assert a.dtype == b.dtype and ((a - b).abs().max() / b.abs().max()).item() <= tol
 
 
-def _fused_counts(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
+def _fused_counts(model: torch.nn.Module) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
     counts: list[int] = []
 
     def backend(gm, example_inputs):
@@ -65,7 +65,7 @@ def test_every_llama_norm_is_found_and_the_step_is_unchanged(dtype):
     ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(1))
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    counts, loss, grads = _fused_counts(model, dtype)
+    counts, loss, grads = _fused_counts(model)
     assert counts == [5] and torch.equal(loss, ref_loss)
     for g, p in zip(grads, ref.parameters()):
         assert ((g - p.grad).abs().max() / p.grad.abs().max()).item() <= 1e-5
@@ -76,7 +76,7 @@ def test_a_norm_written_another_way_is_left_as_written():
     cfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=1, head_dim=16, vocab_size=100, attn_implementation="sdpa")
     torch.manual_seed(0)
-    counts, loss, _ = _fused_counts(transformers.GemmaForCausalLM(cfg), torch.float32)
+    counts, loss, _ = _fused_counts(transformers.GemmaForCausalLM(cfg))
     assert counts == [0] and torch.isfinite(loss)
 
 

@@ -46,22 +46,28 @@ def _chain(graph: OpGraph, rsqrt: OpNode) -> tuple[str, list[OpNode]] | None:
     return x, chain
 
 
+def _norms(graph: OpGraph, fp: str, region: str | None) -> list[tuple[str, list[OpNode]]]:
+    """(input, chain) of each RMSNorm in one layer of class ``fp`` outside ``region``; read once
+    per graph (the planner asks for every option of every SP degree)."""
+    memo = graph.memo.setdefault("rms_norms", {})
+    if (fp, region) not in memo:
+        block = graph.layer_classes[fp].captured[0]
+        found = (_chain(graph, a) for a in graph.nodes(phase="fwd", layer=block)
+                 if a.target.startswith("aten.rsqrt") and (region is None or a.region != region))
+        memo[(fp, region)] = [f for f in found if f is not None]
+    return memo[(fp, region)]
+
+
 def fused_norm_saving(graph: OpGraph, tokens: float, region: str | None = None) -> dict[str, float]:
     """Per layer class, the bytes one layer's eager saves lose when its RMSNorms outside
     ``region`` (the tiled MLP's child module) run fused, at ``tokens`` per rank."""
     out: dict[str, float] = {}
     for fp, lc in graph.layer_classes.items():
-        block = lc.captured[0]
-        mine = {a.name for a in graph.nodes(phase="fwd", layer=block)}
+        mine = {a.name for a in graph.nodes(phase="fwd", layer=lc.captured[0])}
         saving = 0.0
-        for a in graph.nodes(phase="fwd", layer=block):
-            if not a.target.startswith("aten.rsqrt") or (region is not None and a.region == region):
-                continue
-            found = _chain(graph, a)
-            if found is None:
-                continue
-            x, chain = found
-            saving += sum(evaluate(c.bytes_saved, tokens) for c in chain) - evaluate(a.bytes_written, tokens)
+        for x, chain in _norms(graph, fp, region):
+            rsqrt = next(c for c in chain if c.target.startswith("aten.rsqrt"))
+            saving += sum(evaluate(c.bytes_saved, tokens) for c in chain) - evaluate(rsqrt.bytes_written, tokens)
             producer = graph.op(x)
             if x in mine and not evaluate(producer.bytes_saved, tokens):
                 saving -= evaluate(producer.bytes_written, tokens)      # the op saves its input

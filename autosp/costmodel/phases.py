@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.costmodel.memory import layer_saved, mlp_saved
+from autosp.costmodel.fused_norm import fused_norm_saving
+from autosp.costmodel.memory import layer_saved, mlp_saved, tiled_region
 from autosp.decisions import LayerChoice
 from autosp.graph import OpGraph, OpKind, evaluate
 
@@ -103,9 +104,6 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
         # the recompute replays the rest's forward ops, so what its backward reads is back as eager
         # autograd saves it (measured: the probe, bench/memory_decisions.py), beside one chunk; its
         # RMSNorms run fused there (transform/fused_norm.py), saving their input only
-        from autosp.costmodel.fused_norm import fused_norm_saving
-        from autosp.costmodel.memory import tiled_region
-
         norms = 0.0 if fused else \
             fused_norm_saving(graph, tokens, tiled_region(graph, graph.layer_classes[fp].captured[0]))[fp]
         return {"mlp": chunk + rest_eager - norms - kept, "rest": rest}

@@ -177,7 +177,7 @@ def fuse_rms_norms(gm: fx.GraphModule, where: Callable[[fx.Node], bool] = lambda
     checkpointing); returns how many were replaced."""
     fused = 0
     for r in list(gm.graph.nodes):
-        found = match_rms_norm(r) if r.graph is gm.graph else None
+        found = match_rms_norm(r)
         if found is None or not where(found[4]):
             continue
         x, weight, eps, chain, out = found

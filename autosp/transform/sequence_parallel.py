@@ -145,6 +145,11 @@ class SequenceParallel(nn.Module):
             return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=self.mesh.whole, **kwargs)
         return cls(params, **kwargs)
 
+    @property
+    def _loss_group_name(self) -> str:
+        """The group this model's loss is made global over (the SP group unless the mesh's whole)."""
+        return (self.config.loss_group or self.group).group_name
+
     def report(self) -> SPReport:
         """What autosp did to this model: per attention op and, for the last step (since its
         forward began), the collectives issued and the padding added."""
@@ -189,7 +194,7 @@ class SequenceParallel(nn.Module):
                         work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
                         if "positions" in step else [],
                         plans=len(self._plans), compiled_variants=max(len(self._variants), 1),
-                        loss_tokens=_loss_tokens((self.config.loss_group or self.group).group_name))
+                        loss_tokens=_loss_tokens(self._loss_group_name))
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -227,7 +232,7 @@ class SequenceParallel(nn.Module):
         self.state.seq_len = padded_len
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
-        LOSS_TOKENS.pop((self.config.loss_group or self.group).group_name, None)     # this step's, or none
+        LOSS_TOKENS.pop(self._loss_group_name, None)     # this step's count, or none
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
