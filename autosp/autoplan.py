@@ -76,7 +76,8 @@ class AutoPlanner:
     def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
                  memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
                  overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8),
-                 zero_stage: int | None = None, offloads: tuple[bool, ...] = (False,)):
+                 zero_stage: int | None = None, offloads: tuple[bool, ...] = (False,),
+                 host_optimizers: tuple[bool, ...] = (False,)):
         self.profile = profile
         self.cache = cache
         self.memory_limit = memory_limit        # bytes per device; None: the device's
@@ -88,6 +89,7 @@ class AutoPlanner:
         self.cache_path: str | None = None
         self.zero_stage = zero_stage            # what the runtime applies: its memory is planned for
         self.offloads = offloads                # whether layers may keep saved tensors in host memory
+        self.host_optimizers = host_optimizers  # whether the optimizer may step in host memory
         self.compiler: str | None = None        # what runs the step (set by the wrapper): its memory differs
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
@@ -137,7 +139,8 @@ class AutoPlanner:
         dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
         modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks)) + \
             "-l" + "-".join(map(str, self.loss_chunks)) + ("-o" + "-".join(map(str, map(int, self.offloads)))
-                                                           if self.offloads != (False,) else "")
+                                                           if self.offloads != (False,) else "") + \
+            ("-h" + "-".join(map(str, map(int, self.host_optimizers))) if self.host_optimizers != (False,) else "")
         docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
         key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
                f"m{int(limit) >> 20}-z{self.zero_stage}-{modes}{docs}{f'-n{dpn}' if dpn else ''}"
@@ -150,7 +153,7 @@ class AutoPlanner:
                  sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
                  devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
                  loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0, offloads=self.offloads,
-                 compiler=self.compiler or "inductor")
+                 compiler=self.compiler or "inductor", host_optimizers=self.host_optimizers)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"

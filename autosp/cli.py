@@ -105,6 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
                   profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype,
                   offloads=(False,) if args.no_offload else (False, True), compiler=args.compiler,
+                  host_optimizers=(False,) if args.no_host_optimizer else (False, True),
                   **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
         from autosp.planner.longest import max_seq_len
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offload", action="store_true",
                    help="keep every layer's saved tensors on the device (by default the planner may offload them "
                         "to host memory where the profile has it)")
+    p.add_argument("--no-host-optimizer", action="store_true",
+                   help="keep the optimizer states on the device (by default the planner may keep them, and step "
+                        "them, in host memory where the profile has it)")
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="what will run the step (default Inductor, autosp's; it fuses pointwise chains, so "
                         "the others need more memory)")

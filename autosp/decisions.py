@@ -4,7 +4,7 @@
                   token chunks of the MLP (and, fully checkpointed, whether the MLP's input is kept),
                   offload of what it keeps to host memory
     MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
-                  ZeRO 3's sharding group
+                  ZeRO 3's sharding group, optimizer states on the host
     Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
                   all) and the MeshChoice
 
@@ -28,6 +28,7 @@ CHECKPOINTS = ("none", "selective", "full")    # activation checkpointing per la
 MLP_CHUNKS = (1, 8, 32)          # token chunks of a layer's MLP the planner chooses between (1: untiled)
 LOSS_CHUNKS = (1, 8, 64, 256)         # ... and of the LM head and loss
 OFFLOADS = (False, True)     # whether a layer class keeps its saved tensors in host memory
+HOST_OPTIMIZERS = (False, True)    # whether optimizer states (and fp32 master weights) live and step on the host
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 
@@ -77,8 +78,13 @@ class MeshChoice:
     layout: str | None = None    # None: what the layers' strategies need (zigzag for zigzag ring, else contiguous)
     loss_chunks: int = 1
     zero_shard: int = 0          # ZeRO 3: 0 shards parameters over every rank; k over each k (a node: HSDP)
+    # Optimizer states and fp32 master weights in host memory, stepped there (each rank its ZeRO share):
+    # the device keeps parameters and gradients alone (autosp.transform.host_optimizer)
+    host_optimizer: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host_optimizer, bool):
+            raise AutospError(f"host_optimizer must be True or False, got {self.host_optimizer!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise AutospError(f"unknown token layout '{self.layout}'; use one of {', '.join(LAYOUTS)}")
         _positive("loss_chunks", self.loss_chunks)

@@ -129,9 +129,10 @@ def _planned(model: nn.Module, auto: Auto, mesh: Any, limit: float | None, zero:
     provider = AutoPlanner(fallback=fallback, memory_limit=limit, checkpoints=auto.checkpoints,
                            overlap=runtime.overlap, mlp_chunks=auto.mlp_chunk_choices,
                            loss_chunks=auto.loss_chunk_choices, zero_stage=zero.stage,
-                           offloads=auto.offload_choices)
+                           offloads=auto.offload_choices, host_optimizers=auto.host_optimizer_choices)
     fixed = Decisions.of(checkpoint=auto.checkpoint or "none", mlp_chunks=auto.mlp_chunks or 1,
-                         mesh=MeshChoice(loss_chunks=auto.loss_chunks or 1), offload=bool(auto.offload))
+                         mesh=MeshChoice(loss_chunks=auto.loss_chunks or 1, host_optimizer=bool(auto.host_optimizer)),
+                         offload=bool(auto.offload))
     return build(model, fixed, mesh=mesh, zero=zero, runtime=runtime, provider=provider)
 
 

@@ -32,12 +32,16 @@ class Auto:
             (``None``: the planner decides). Default ``False`` at the first call: the copies' CUDA
             path has not run on a GPU yet (``bench/gpu_check.py --only offload`` checks it);
             ``autosp plan`` plans it.
+        host_optimizer: whether the optimizer states (and fp32 master weights) live and step in host
+            memory (``model.optimizer(cls, ...)`` returns one that does); ``None``: the planner
+            decides. Default ``False`` at the first call, as for ``offload``; ``autosp plan`` plans it.
     """
 
     checkpoint: str | None = None
     mlp_chunks: int | None = None
     loss_chunks: int | None = None
     offload: bool | None = False
+    host_optimizer: bool | None = False
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.checkpoint not in CHECKPOINTS:
@@ -46,8 +50,10 @@ class Auto:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
                 raise AutospError(f"{name} must be a positive integer (1 = untiled) or None, got {k!r}")
-        if self.offload is not None and not isinstance(self.offload, bool):
-            raise AutospError(f"offload must be True, False or None (the planner decides), got {self.offload!r}")
+        for name in ("offload", "host_optimizer"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise AutospError(f"{name} must be True, False or None (the planner decides), got {v!r}")
 
     @property
     def checkpoints(self) -> tuple[str, ...]:
@@ -65,6 +71,10 @@ class Auto:
     @property
     def offload_choices(self) -> tuple[bool, ...]:
         return (False, True) if self.offload is None else (self.offload,)
+
+    @property
+    def host_optimizer_choices(self) -> tuple[bool, ...]:
+        return (False, True) if self.host_optimizer is None else (self.host_optimizer,)
 
 
 @dataclass(frozen=True)

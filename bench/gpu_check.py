@@ -19,8 +19,9 @@
    device-to-device ``cudaMemcpyAsync`` at the full HBM rate (a bound, not a
    stand-in). Written to DIR/concurrency.json.
 5. Long context with offload (``--only offload``, :mod:`offload_check`): Llama-3-8B's layer
-   shapes at one rank's tokens, peak memory and step time against the plan, offload on and off,
-   and the device <-> host copy bandwidth. Written to DIR/offload.json. ``--dry`` runs it on CPU
+   shapes at one rank's tokens, peak memory and step time against the plan, offload (of the
+   checkpoints, and of the optimizer, stepped in host memory) on and off, the host optimizer's
+   bytes and step time, and the device <-> host copy bandwidth. Written to DIR/offload.json. ``--dry`` runs it on CPU
    with a tiny model (the suite does).
 """
 

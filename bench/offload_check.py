@@ -5,7 +5,8 @@ The model: a few full-size Llama-3-8B decoder layers (hidden 4096, MLP 14336, 32
 heads) and its 128,256-word head, bf16, through Inductor, on one process (SP degree 1) at
 ``--tokens`` per rank: what one rank of an SP plan holds (Ulysses' gathered heads hold as many
 bytes: S x H/P x d = S/P x H x d). Every layer fully checkpointed, its MLP and the loss in token
-chunks, its saved tensors offloaded or kept. Per setting: the measured peak device memory
+chunks, its saved tensors offloaded or kept (offloaded: the optimizer states too, stepped in host
+memory by ``model.optimizer(AdamW)``). Per setting: the measured peak device memory
 (``torch.cuda.max_memory_allocated``) and step time against the planner's prediction for that
 very configuration (``autosp.plan`` at world size 1 with the decisions fixed), and the measured
 device <-> host copy bandwidth (pinned memory), which the GPU profiles' ``host`` section carries.
@@ -64,8 +65,9 @@ def host_bandwidth(dry: bool, nbytes: int = 1 << 30) -> dict[str, float]:
     return out
 
 
-def _step(sp: Any, ids: torch.Tensor, opt: Any, dry: bool) -> tuple[float, int, int]:
-    """One training step: (seconds, peak device bytes, peak host bytes) of its forward + backward."""
+def _step(sp: Any, ids: torch.Tensor, opt: Any, dry: bool) -> tuple[float, int, int, float]:
+    """One training step: (seconds, peak device bytes, peak host bytes) of its forward + backward,
+    and the seconds of its optimizer step."""
     from autosp.tools.memory_probe import step_memory
 
     if dry:
@@ -79,9 +81,23 @@ def _step(sp: Any, ids: torch.Tensor, opt: Any, dry: bool) -> tuple[float, int, 
         sp(input_ids=ids, labels=ids).loss.backward()
         torch.cuda.synchronize()
         seconds, peak, host = time.perf_counter() - t0, torch.cuda.max_memory_allocated(), 0
+    t0 = time.perf_counter()
     opt.step()
+    if not dry:
+        torch.cuda.synchronize()
+    stepped = time.perf_counter() - t0
     opt.zero_grad(set_to_none=True)
-    return seconds, peak, host
+    return seconds, peak, host, stepped
+
+
+def _host_states(opt: Any) -> int:
+    """Bytes of host memory an optimizer stepped there holds: its fp32 masters and their states."""
+    from autosp.transform.host_optimizer import HostOptimizer
+
+    if not isinstance(opt, HostOptimizer) or not opt.on_host:
+        return 0
+    states = [v for st in opt.inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    return sum(t.numel() * t.element_size() for t in opt.masters + states)
 
 
 def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chunks: int = 8) -> dict[str, Any]:
@@ -114,23 +130,28 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
     for offload in (False, True):
         torch._dynamo.reset()
         model = _model(dry, layers).to(device=device, dtype=dtype)
+        # offloaded: the checkpoints, and the optimizer's states stepped in host memory
         decisions = autosp.Decisions.of(strategy="ulysses", checkpoint="full", mlp_chunks=chunks, offload=offload,
-                                        mesh=MeshChoice(loss_chunks=chunks))
+                                        mesh=MeshChoice(loss_chunks=chunks, host_optimizer=offload))
         sp = autosp.compile(model, plan=decisions, runtime=autosp.Runtime(compiler=compiler))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = sp.optimizer(torch.optim.AdamW, lr=1e-5)
         _step(sp, ids, opt, dry)                          # compiles; the optimizer's states exist after it
-        seconds, peak, host = _step(sp, ids, opt, dry)
+        seconds, peak, host, stepped = _step(sp, ids, opt, dry)
         pred = autosp.plan(None, graph=graph, seq_len=tokens, world_size=1, profile=profile, memory_limit=float("inf"),
                            checkpoints=("full",), mlp_chunks=(chunks,),
                            loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."),
-                           compiler=compiler)
+                           compiler=compiler, host_optimizers=(offload,))
         copies = sp.report().as_dict()["collectives"]
+        states = pred.predicted.get("host_optimizer_bytes", 0.0)
         out["offload" if offload else "kept"] = {
             "step_s": seconds, "predicted_step_s": pred.predicted["total_s"],
             # the probe (dry) sees the step's new tensors only: not the parameters and optimizer states
             "peak_bytes": peak, "predicted_peak_bytes": pred.predicted["peak_bytes"] - (
                 pred.predicted["memory"]["parameters"] + pred.predicted["memory"]["optimizer"] if dry else 0.0),
-            "host_peak_bytes": host, "predicted_host_bytes": pred.predicted.get("host_bytes", 0.0),
+            "host_peak_bytes": host, "predicted_host_bytes": pred.predicted.get("host_bytes", 0.0) - states,
+            "optimizer_host_bytes": _host_states(opt), "predicted_optimizer_host_bytes": states,
+            "optimizer_step_s": stepped, "predicted_optimizer_step_s": pred.predicted.get("host_optimizer_step_s", 0.0),
+            "host_optimizer": pred.mesh.host_optimizer,
             "offloaded_bytes": copies.get("host_offload", {}).get("bytes", 0),
             "decisions": [vars(layer.choice) for layer in pred.layers]}
         del sp, model, opt
@@ -149,5 +170,7 @@ def main(out_dir: str, dry: bool, tokens: int | None = None) -> dict[str, Any]:
         print(f"{name:8s} peak {r['peak_bytes'] / 2**20:9.1f} MiB (predicted {r['predicted_peak_bytes'] / 2**20:9.1f}), "
               f"host {r['host_peak_bytes'] / 2**20:8.1f} MiB (predicted {r['predicted_host_bytes'] / 2**20:8.1f}), "
               f"step {r['step_s']:8.3f} s (predicted {r['predicted_step_s']:8.3f}), "
-              f"offloaded {r['offloaded_bytes'] / 2**20:.1f} MiB")
+              f"offloaded {r['offloaded_bytes'] / 2**20:.1f} MiB, optimizer on the host "
+              f"{r['optimizer_host_bytes'] / 2**20:.1f} MiB (predicted {r['predicted_optimizer_host_bytes'] / 2**20:.1f}), "
+              f"its step {r['optimizer_step_s']:.3f} s (predicted {r['predicted_optimizer_step_s']:.3f})")
     return res

@@ -860,22 +860,25 @@ def dp_sp_errors() -> list[str]:
     return out
 
 
-def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, int], ...] = ((2, 3),),
-                      seq_len: int = 32) -> dict[str, Any]:
+def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, ...], ...] = ((2, 3),),
+                      seq_len: int = 32, host_optimizer: bool = False) -> dict[str, Any]:
     """Train 2 AdamW steps on a 2 x 2 mesh, save (DCP), train 2 more; then for each (rows, ZeRO
-    stage) in ``resumes`` a fresh model and optimizer on that mesh load and train the same 2
-    steps: the losses. Also the full parameters after the save, for a plain load to check."""
+    stage[, optimizer on the host]) in ``resumes`` a fresh model and optimizer on that mesh load and
+    train the same 2 steps: the losses. Also the full parameters after the save, for a plain load to
+    check. ``host_optimizer``: the first run's optimizer steps in host memory."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import autosp.checkpoint
 
-    def run(rows: int, stage: int | None, steps: range, load: bool = False) -> tuple[list[float], Any]:
+    def run(rows: int, stage: int | None, steps: range, load: bool = False,
+            host: bool = False) -> tuple[list[float], Any]:
         mesh = init_device_mesh("cpu", (rows, 4 // rows), mesh_dim_names=("dp", "sp"))
         row = mesh.get_local_rank("dp")
         torch.manual_seed(1 if load else 0)                 # the resumed model starts from other weights
         model = build("llama")
-        sp = autosp.compile(model, plan="ulysses", mesh=mesh, zero=stage)
+        plan = autosp.Decisions.of(strategy="ulysses", mesh=autosp.MeshChoice(host_optimizer=host))
+        sp = autosp.compile(model, plan=plan, mesh=mesh, zero=stage)
         opt = sp.optimizer(torch.optim.AdamW, lr=1e-2)
         extra = autosp.checkpoint.load(sp, opt, path) if load else {}
         losses, full = [], None
@@ -893,14 +896,15 @@ def checkpoint_resume(path: str, zero_stage: int = 3, resumes: tuple[tuple[int, 
             losses.append(loss.item())
         return losses, (full, extra)
 
-    first, (full, _) = run(2, zero_stage, range(4))
+    first, (full, _) = run(2, zero_stage, range(4), host=host_optimizer)
     out: dict[str, Any] = {"uninterrupted": first[2:], "resumed": {}, "extra": {},
                            "full": {n: t.tolist() for n, t in full.items()} if dist.get_rank() == 0 else None}
-    for rows, stage in resumes:
+    for rows, stage, *host in resumes:
         dist.barrier()
         torch._dynamo.reset()
-        key = f"{rows}x{4 // rows} stage {stage}"
-        out["resumed"][key], (_, out["extra"][key]) = run(rows, stage, range(2, 4), load=True)
+        key = f"{rows}x{4 // rows} stage {stage}" + (" host" if host and host[0] else "")
+        out["resumed"][key], (_, out["extra"][key]) = run(rows, stage, range(2, 4), load=True,
+                                                          host=bool(host and host[0]))
     return out
 
 
@@ -1148,8 +1152,10 @@ def batches_differ_across_ranks() -> dict[str, Any]:
 
 def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] = ("aot_eager", "inductor"),
                  zero_stage: int | None = 3, strategy: str = "ulysses", mlp_chunks: int = 2,
-                 loss_chunks: int = 2, keep_mlp_input: tuple[bool, ...] = (True, False)) -> dict[str, Any]:
-    """Full checkpointing + offload + ZeRO ``zero_stage`` + tiled MLP and loss on a 1 x world mesh,
+                 loss_chunks: int = 2, keep_mlp_input: tuple[bool, ...] = (True, False),
+                 host_optimizer: bool = True) -> dict[str, Any]:
+    """Full checkpointing + offload + ZeRO ``zero_stage`` + tiled MLP and loss (+ the optimizer stepped
+    in host memory: ``model.optimizer(AdamW)``) on a 1 x world mesh,
     per compiler (with ``keep_mlp_input``, one per compiler) against one process over ``steps`` AdamW steps (loss, every gradient, the
     parameters after), the report, and the last step's order of copies and all-to-alls: ``O`` an
     offload, ``R`` a reload issued, ``W`` its wait, ``a`` an all-to-all, ``|`` the backward begins."""
@@ -1169,9 +1175,10 @@ def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] 
         one, model = copy.deepcopy(ref), copy.deepcopy(ref)
         mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "sp"))
         decisions = autosp.Decisions.of(strategy=strategy, checkpoint="full", mlp_chunks=mlp_chunks, offload=True,
-                                        keep_mlp_input=keep, mesh=MeshChoice(loss_chunks=loss_chunks))
+                                        keep_mlp_input=keep,
+                                        mesh=MeshChoice(loss_chunks=loss_chunks, host_optimizer=host_optimizer))
         sp = autosp.compile(model, plan=decisions, mesh=mesh, zero=zero_stage, runtime=autosp.Runtime(compiler=compiler))
-        opt, opt_one = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
+        opt, opt_one = sp.optimizer(torch.optim.AdamW, lr=1e-3), torch.optim.AdamW(one.parameters(), lr=1e-3)
         row: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0}
         events: list[str] = []
         saved = collectives.tally, off.tally
@@ -1202,8 +1209,31 @@ def offload_step(seq_len: int = 256, steps: int = 3, compilers: tuple[str, ...] 
         row["report"] = sp.report().as_dict()
         row["offloaded"] = sum(r.offloaded for r in sp.state.reports)
         row["events"] = "".join(events)
+        row["optimizer"] = _where_optimizer_stepped(opt, model)
         out[compiler] = row
     return out
+
+
+def _where_optimizer_stepped(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, Any]:
+    """What the optimizer holds and where: its type, whether it stepped on the host, the last step's
+    copies, and per parameter its host master's shape and storage against the parameter's local part."""
+    from autosp.transform.host_optimizer import HostOptimizer, _local
+
+    if not isinstance(opt, HostOptimizer):
+        return {"type": type(opt).__name__}
+    params = list(model.parameters())
+    locals_ = [_local(p) for p in params]
+    return {"type": type(opt).__name__, "on_host": opt.on_host, "copies": dict(opt.copies),
+            "local_numel": sum(t.numel() for t in locals_),
+            "master_numel": sum(m.numel() for m in opt.masters),
+            "shapes_match": all(m.shape == t.shape for m, t in zip(opt.masters, locals_)),
+            "masters_apart": all(m.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                                 for m, t in zip(opt.masters, locals_)),
+            # the states the wrapped AdamW made, keyed by the masters (none by the model's parameters)
+            "states_on_masters": sum(1 for k in opt.inner.state if any(k is m for m in opt.masters)),
+            "states_on_params": sum(1 for k in opt.inner.state if any(k is p for p in params)),
+            "state_numel": sum(v.numel() for st in opt.inner.state.values() for k, v in st.items() if k != "step"),
+            "full_numel": sum(p.numel() for p in params)}
 
 
 def offload_memory(seq_len: int = 2048, strategy: str = "ulysses") -> dict[str, Any]:

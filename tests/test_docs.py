@@ -109,6 +109,10 @@ def test_the_gpu_offload_check_runs_dry_on_cpu(tmp_path):
     # 2 layers x 2 saved tensors (input, tiled MLP's) x 256 tokens x 128 x 4 bytes, as predicted
     assert off["offloaded_bytes"] == off["host_peak_bytes"] == off["predicted_host_bytes"] == 4 * 256 * 128 * 4
     assert [d["offload"] for d in off["decisions"]] == [True] and [d["offload"] for d in kept["decisions"]] == [False]
+    # offloaded, the optimizer steps in host memory: fp32 masters and two moments, 12 bytes per parameter
+    assert off["host_optimizer"] and not kept["host_optimizer"] and kept["optimizer_host_bytes"] == 0
+    assert off["optimizer_host_bytes"] == off["predicted_optimizer_host_bytes"] > 0
+    assert off["optimizer_step_s"] > 0 and off["predicted_optimizer_step_s"] > 0
     for r in (kept, off):
         assert r["step_s"] > 0 and r["predicted_step_s"] > 0 and abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1) < 0.25
     assert "host copies:" in run.stdout and "offload " in run.stdout

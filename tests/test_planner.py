@@ -334,8 +334,13 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not(llam
     large = capture("llama3-70b", seq_len=4096)
     big = plan(None, graph=large, **kw)
     assert big.zero_shard == 0
-    with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, graph=large, zero_shard=8, **kw)
+    with pytest.raises(AutospError, match="no plan fits.*the optimizer on the device; stepping the optimizer on "
+                                          "the host fits"):
+        plan(None, graph=large, zero_shard=8, host_optimizers=(False,), **kw)
+    # its optimizer states (12 of the 16 bytes) in host memory, sharded per node fits: 17.5 GB on the host
+    hosted = plan(None, graph=large, zero_shard=8, **kw)
+    assert hosted.mesh.host_optimizer and hosted.predicted["memory"]["optimizer"] == 0
+    assert hosted.predicted["host_optimizer_bytes"] == pytest.approx(large.total_params * 12 / 8)
 
 
 def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behind_layers():
@@ -400,7 +405,7 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
     from autosp.costmodel.profile import load_profile
 
     g, n = llama8b_4k, 3_623_952
-    kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8)
+    kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8, host_optimizers=(False,))
     p = plan(None, seq_len=n, **kw)
     c = p.layers[0].choice
     assert p.predicted["compiler"] == "inductor" and (c.checkpoint, c.offload, c.keep_mlp_input) == ("full", True, True)
@@ -415,6 +420,29 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
     c = longer.layers[0].choice
     assert longer.predicted["compiler"] == "aot_eager" and (c.checkpoint, c.offload, c.mlp_with_layer) == \
         ("full", True, True), c
+
+
+def test_the_optimizer_steps_on_the_host_where_the_device_needs_its_memory(llama8b_4k):
+    """Llama-3-8B on 8 H100s, ZeRO 3, Inductor: with its optimizer states (11.2 GiB per rank) in host
+    memory the longest length is 3,974,896 tokens (3,623,952 with them on the device, where the host
+    bound the MLP input's offload): the layers recompute their tiled MLP with the layer, offloaded,
+    and the device holds no optimizer state. One step longer is refused; with the optimizer kept on
+    the device the same length is refused, saying what fits. At 128k tokens, where memory is
+    plenty, the planner keeps the optimizer on the device (its host step only costs time)."""
+    g, n = llama8b_4k, 3_974_896
+    kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8)
+    p = plan(None, seq_len=n, **kw)
+    c = p.layers[0].choice
+    assert p.mesh.host_optimizer and (c.checkpoint, c.offload, c.mlp_with_layer) == ("full", True, True), p.mesh
+    assert p.predicted["memory"]["optimizer"] == 0
+    assert p.predicted["host_optimizer_bytes"] == pytest.approx(g.total_params * 12 / 8)
+    assert 0 < p.predicted["host_optimizer_step_s"] < 0.001 * p.predicted["total_s"]
+    assert p.predicted["host_bytes"] > p.predicted["host_optimizer_bytes"]      # the checkpoints beside them
+    with pytest.raises(AutospError, match="no plan fits"):
+        plan(None, seq_len=n + 16, **kw)
+    with pytest.raises(AutospError, match="the optimizer on the device; stepping the optimizer on the host fits"):
+        plan(None, seq_len=n, host_optimizers=(False,), **kw)
+    assert not plan(None, seq_len=131072, **kw).mesh.host_optimizer
 
 
 def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer(llama8b_4k):

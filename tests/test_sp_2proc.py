@@ -693,14 +693,25 @@ def test_zero_3_with_full_checkpointing_gathers_each_block_again_for_its_recompu
 
 def test_offload_with_full_checkpointing_zero_3_and_tiled_mlp_and_loss_is_exact_with_copies_in_order(pool):
     """What each fully checkpointed layer keeps (its input, and its tiled MLP's where that is a region
-    of its own) waits in host memory: exact against one process through AOTAutograd (MLP input kept)
-    and Inductor (MLP recomputed with its layer), loss, every gradient and the parameters after 3
-    AdamW steps, ZeRO 3, MLP and loss in 2 token chunks each."""
+    of its own) waits in host memory, and the optimizer steps there: exact against one process
+    through AOTAutograd (MLP input kept) and Inductor (MLP recomputed with its layer), loss, every
+    gradient and the parameters after 3 AdamW steps, ZeRO 3, MLP and loss in 2 token chunks each."""
     res = run_ok(pool, "offload_step", steps=3, timeout=600)
     for r in res:
         for compiler in ("aot_eager", "inductor"):
             c = r[compiler]
             assert c["loss_err"] < 1e-5 and c["grad_err"] < 1e-4 and c["param_err"] < 1e-5, (compiler, c)
+            # The AdamW that stepped is the host one: over fp32 copies of this rank's ZeRO 3 shards
+            # (half of each parameter), apart from the parameters, holding every state; each step
+            # copied all 21 shards' gradients down and the parameters up.
+            o = c["optimizer"]
+            assert o["type"] == "HostOptimizer" and o["on_host"] is True, o
+            assert o["shapes_match"] and o["masters_apart"], o
+            assert o["local_numel"] == o["master_numel"] and 2 * o["local_numel"] == o["full_numel"], o
+            assert o["states_on_masters"] == 21 and o["states_on_params"] == 0, o
+            assert o["state_numel"] == 2 * o["local_numel"], o           # exp_avg, exp_avg_sq
+            assert o["copies"]["grads_to_host"] == o["copies"]["params_to_device"] == 21, o
+            assert o["copies"]["bytes_to_host"] == o["copies"]["bytes_to_device"] == 4 * o["local_numel"], o
             rep = c["report"]
             assert rep["compiler"] == compiler and rep["zero_stage"] == 3
             assert [(a["checkpoint"], a["mlp_chunks"]) for a in rep["attention"]] == [("full", 2)] * 2

@@ -261,11 +261,14 @@ def test_checkpoints_resume_bit_for_bit_and_load_without_autosp(pool, tmp_path):
     from dist_cases import build
 
     path = str(tmp_path / "ckpt")
-    # saved once from a 2 x 2 mesh under ZeRO 3; resumed on the same mesh, and resharded onto SP 4, ZeRO 0
-    res = run_ok(pool, "checkpoint_resume", path=path, zero_stage=3, resumes=((2, 3), (1, 0)))
+    # saved once from a 2 x 2 mesh under ZeRO 3, the optimizer stepped in host memory; resumed on the
+    # same mesh (optimizer on the host, and on the device), and resharded onto SP 4, ZeRO 0
+    res = run_ok(pool, "checkpoint_resume", path=path, zero_stage=3, resumes=((2, 3, True), (2, 3), (1, 0)),
+                 host_optimizer=True)
     for r in res:
-        assert set(r["resumed"]) == {"2x2 stage 3", "1x4 stage 0"}, r
-        # the same mesh: bit for bit (ZeRO 1 was checked so when this was written)
+        assert set(r["resumed"]) == {"2x2 stage 3 host", "2x2 stage 3", "1x4 stage 0"}, r
+        # the same mesh: bit for bit, wherever the optimizer steps (ZeRO 1 was checked so when this was written)
+        assert r["resumed"]["2x2 stage 3 host"] == r["uninterrupted"], r
         assert r["resumed"]["2x2 stage 3"] == r["uninterrupted"], r
         # resharded: sums run in another order
         assert r["resumed"]["1x4 stage 0"] == pytest.approx(r["uninterrupted"], rel=1e-6), r

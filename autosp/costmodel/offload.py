@@ -35,3 +35,24 @@ def copy_exposed(prof: HardwareProfile, kept: float, p: Any, layers: int, recomp
 def host_budget(prof: HardwareProfile, world: int, dpn: int, margin: float) -> float:
     """Host memory per rank for offloaded layers: the node's, shared by its ranks, less the margin."""
     return prof.host_memory_bytes / min(world, dpn) * (1.0 - margin)
+
+
+def _params(optimizer_bytes: float, param_bytes: int) -> float:
+    """This rank's parameters in the optimizer, from its states' bytes on the device (fp32 moments,
+    and fp32 masters for low-precision parameters: autosp.costmodel.memory.model_states)."""
+    return optimizer_bytes / (8 + (4 if param_bytes < 4 else 0))
+
+
+def host_optimizer_bytes(optimizer_bytes: float, param_bytes: int) -> float:
+    """Host memory per rank of the optimizer stepped there: fp32 moments and fp32 masters, which
+    :class:`autosp.transform.host_optimizer.HostOptimizer` keeps for fp32 parameters too."""
+    return 12 * _params(optimizer_bytes, param_bytes)
+
+
+def host_optimizer_step(prof: HardwareProfile, optimizer_bytes: float, param_bytes: int) -> float:
+    """Seconds an optimizer step on the host adds per rank, not overlapped: this rank's gradients
+    down, the step over its parameters (``optimizer_bytes`` of states on the device), the parameters
+    back up. The device's own step is not costed either way (it is short beside the layers'), so
+    this is the whole difference."""
+    params = _params(optimizer_bytes, param_bytes)
+    return 2 * prof.host_copy_time(params * param_bytes) + prof.host_optimizer_time(params)

@@ -91,6 +91,18 @@ class HardwareProfile:
                               "(autosp profile on the GPU) or add the device-host link's bandwidth by hand")
         return float(host.get("latency_s", 0.0)) + nbytes / float(host["link_bytes_per_s"])
 
+    def host_optimizer_time(self, params: float) -> float:
+        """One optimizer step (AdamW, fp32) over ``params`` parameters on the host, per rank (0 where the
+        profile has no rate: then the planner never steps there)."""
+        rate = self.data.get("host", {}).get("optimizer_params_per_s")
+        return params / float(rate) if rate else 0.0
+
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether optimizer states may live and step in host memory: the profile has host memory and a
+        host step rate to cost them."""
+        return bool(self.host_memory_bytes and self.data.get("host", {}).get("optimizer_params_per_s"))
+
     # -------------------------------------------------------------- compute
     def _table(self, key: str, points: list) -> LogLogTable:
         if key not in self._tables:

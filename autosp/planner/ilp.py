@@ -22,7 +22,9 @@ Constraints
   sum_g P_{g,c,f} x_g + sum_{g,c',o} M_{g,c',o} y_{g,c',o} + sum_{g,o in O_{g,c}} E_{g,c,o,f} y_{g,c,o} <= M_max
                                         for all c, f (... and during the backward of a layer of
                                                      class c, in its phase f: its MLP, the rest)
-  sum_{g,c,o} H_{g,c,o} y_{g,c,o} <= H_max           (host memory per rank: what offloaded layers keep)
+  sum_g H0_g x_g + sum_{g,c,o} H_{g,c,o} y_{g,c,o} <= H_max
+                                                     (host memory per rank: optimizer states stepped
+                                                     there, what offloaded layers keep)
 
 Objective
   minimise  sum_g T0_g x_g + sum_{g,c,o} T_{g,c,o} y_{g,c,o}
@@ -50,6 +52,10 @@ on the device M = kept (the one layer whose copy is in flight), its own backward
 kept bytes again (E + kept); its T adds the copies' exposed time, per layer
 max(0, copy - forward) + max(0, copy - backward), copy = kept / host link bandwidth.
 H_max is the node's host memory shared by its ranks, less the same margin.
+A mesh candidate may step the optimizer on the host (its MeshChoice's ``host_optimizer``): then its
+optimizer states (fp32 moments, and fp32 master weights for low-precision parameters, the rank's
+ZeRO share) leave every device constant M0_g and P_{g,c,f} for H0_g, and T0_g adds the step on the
+host and the copies of gradients down and parameters up (:func:`autosp.costmodel.offload.host_optimizer_step`).
 M_max is the memory limit less the planner's margin, M_max = (1 - m) x limit with m = 5% by
 default (:data:`autosp.planner.search.MEMORY_MARGIN`, the memory model's validated tolerance),
 so that a plan predicted to fit still fits where the model is a few percent low.
@@ -65,7 +71,7 @@ is the k-th best plan. Nothing enumerates the space (brute force lives in tests)
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable
 
 
@@ -88,6 +94,7 @@ class Candidate:
     base_time_s: float
     base_mem_bytes: float
     base_exposed_s: float = 0.0
+    base_host_bytes: float = 0.0   # host memory the mesh's own decisions take per rank (optimizer states)
     options: dict[Hashable, list[Option]] = field(default_factory=dict)   # class -> options
     # (class, phase) -> memory outside the options while a layer of that class runs its backward
     phase_mem_bytes: dict[tuple[Hashable, str], float] = field(default_factory=dict)
@@ -153,7 +160,7 @@ class _MeshModel:
 
         self.g, self.m, self.y = g, cp_model.CpModel(), {}
         m, limit = self.m, _mem_kib(memory_limit)
-        time_terms, mem_terms, host_terms = [], [_mem_kib(g.base_mem_bytes)], []
+        time_terms, mem_terms, host_terms = [], [_mem_kib(g.base_mem_bytes)], [_mem_kib(g.base_host_bytes)]
         phases = {key: [_mem_kib(base)] for key, base in g.phase_mem_bytes.items()}
         for c, opts in g.options.items():
             vs = []
@@ -170,7 +177,7 @@ class _MeshModel:
                     terms.append(_mem_kib(o.mem_bytes + extra) * v)
             m.AddExactlyOne(vs)
         m.Add(sum(mem_terms) <= limit)
-        if host_terms:
+        if len(host_terms) > 1 or g.base_host_bytes:
             m.Add(sum(host_terms) <= _mem_kib(host_limit))
         for terms in phases.values():
             m.Add(sum(terms) <= limit)
@@ -217,7 +224,7 @@ def prune(g: Candidate) -> Candidate:
     for c, opts in g.options.items():
         kept[c] = [o for i, o in enumerate(opts)
                    if not any(_dominates(p, o) and (not _dominates(o, p) or j < i) for j, p in enumerate(opts) if j != i)]
-    return Candidate(g.key, g.base_time_s, g.base_mem_bytes, g.base_exposed_s, kept, g.phase_mem_bytes)
+    return replace(g, options=kept)
 
 
 def phase_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> dict[Hashable, float]:
@@ -238,7 +245,8 @@ def peak_bytes(g: Candidate, choice: dict[Hashable, Hashable]) -> float:
 
 def _fits(g: Candidate, choice: dict[Hashable, Hashable], memory_limit: float, host_limit: float = 0.0) -> bool:
     opts = {c: next(o for o in g.options[c] if o.key == k) for c, k in choice.items()}
-    if sum(_mem_kib(o.host_bytes) for o in opts.values() if o.host_bytes) > _mem_kib(host_limit):
+    host = _mem_kib(g.base_host_bytes) + sum(_mem_kib(o.host_bytes) for o in opts.values() if o.host_bytes)
+    if host > _mem_kib(host_limit):
         return False
     shared = [_mem_kib(o.mem_bytes) for o in opts.values()]
     if _mem_kib(g.base_mem_bytes) + sum(shared) > _mem_kib(memory_limit):

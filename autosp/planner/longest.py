@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from autosp.costmodel.offload import host_budget
 from autosp.costmodel.profile import HardwareProfile, load_profile
-from autosp.decisions import OFFLOADS
+from autosp.decisions import HOST_OPTIMIZERS, OFFLOADS
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
 from autosp.planner.ilp import solve
@@ -22,9 +22,10 @@ from autosp.planner.search import MEMORY_MARGIN, _budget, build_candidates, coun
 
 def _fits(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
           limit: float, margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS,
-          fused: bool = True) -> bool:
+          fused: bool = True, host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS) -> bool:
     """Whether some plan fits: the same space ``plan`` searches (a length found to fit is planned)."""
-    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, offloads=offloads, fused=fused)
+    cands, _ = build_candidates(g, prof, world, dpn, zero_stage, seq_len, offloads=offloads, fused=fused,
+                                host_optimizers=host_optimizers)
     return bool(cands) and solve(cands, limit, host_limit=host_budget(prof, world, dpn, margin)) is not None
 
 
@@ -41,27 +42,36 @@ def _longest_fitting(fits: Callable[[int], bool], step: int, upper: int) -> int:
 
 
 def _infeasible_hint(g: OpGraph, prof: HardwareProfile, world: int, dpn: int, zero_stage: int, seq_len: int,
-                     limit: float, margin: float, offloads: tuple[bool, ...] = OFFLOADS, fused: bool = True) -> str:
-    """One line: what did not fit, and the nearest change that fits (offload where it was left out,
-    a higher ZeRO stage, more devices, a shorter sequence), each tried in the space the caller chose."""
+                     limit: float, margin: float, offloads: tuple[bool, ...] = OFFLOADS, fused: bool = True,
+                     host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS) -> str:
+    """One line: what did not fit, and the nearest change that fits (offload or the optimizer on the
+    host where they were left out, a higher ZeRO stage, more devices, a shorter sequence), each tried
+    in the space the caller chose."""
     size = f"{limit / 2 ** 30:.1f} GiB" if limit >= 2 ** 30 else f"{limit / 2 ** 20:.0f} MiB"
     kept = f" ({margin:.0%} of it kept free for the memory model's error)" if margin else ""
     host = "" if True in offloads or not prof.host_memory_bytes else ", without offload"
+    stepped = "" if True in host_optimizers or not prof.steps_on_host else ", the optimizer on the device"
     head = (f"no plan fits {g.model_name} at {seq_len} tokens on {world} devices within {size} each{kept}, "
-            f"with any checkpointing and MLP / loss tiling{host}")
+            f"with any checkpointing and MLP / loss tiling{host}{stepped}")
     limit = _budget(limit, margin)
-    if host and _fits(g, prof, world, dpn, zero_stage, seq_len, limit, margin, OFFLOADS, fused):
+
+    def fits(z: int = zero_stage, w: int = world, s: int = seq_len, off: tuple[bool, ...] = offloads,
+             opt: tuple[bool, ...] = host_optimizers) -> bool:
+        return _fits(g, prof, w, dpn, z, s, limit, margin, off, fused, opt)
+
+    if host and fits(off=OFFLOADS):
         return (f"{head}; offloading checkpoints to host memory fits (drop --no-offload; at the first call "
                 f"autosp.Auto(offload=None))")
+    if stepped and fits(opt=HOST_OPTIMIZERS):
+        return (f"{head}; stepping the optimizer on the host fits (drop --no-host-optimizer; at the first call "
+                f"autosp.Auto(host_optimizer=None))")
     for z in range(zero_stage + 1, 4):
-        if _fits(g, prof, world, dpn, z, seq_len, limit, margin, offloads, fused):
+        if fits(z=z):
             return f"{head} with ZeRO stage {zero_stage}; ZeRO stage {z} fits (--zero-stage {z})"
     for w in (2 ** i for i in range(0, 13)):
-        if w > world and _fits(g, prof, w, dpn, max(zero_stage, 3 if zero_stage else 0), seq_len, limit, margin,
-                               offloads, fused):
+        if w > world and fits(z=max(zero_stage, 3 if zero_stage else 0), w=w):
             return f"{head}; the smallest power-of-two world that fits is {w} devices"
-    longest = _longest_fitting(lambda s: _fits(g, prof, world, dpn, zero_stage, s, limit, margin, offloads, fused),
-                               2 * world, seq_len)
+    longest = _longest_fitting(lambda s: fits(s=s), 2 * world, seq_len)
     if longest:
         return f"{head}; the longest sequence that fits is about {longest} tokens"
     return f"{head}, on up to 4096 devices or at any length; raise the memory limit or the ZeRO stage"
@@ -71,7 +81,8 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
                 profile: str | HardwareProfile = "h100-sxm", memory_limit: float | None = None, zero_stage: int = 0,
                 dtype: str = "bfloat16", graph: OpGraph | None = None, upper: int = 1 << 26,
                 memory_margin: float = MEMORY_MARGIN, offloads: tuple[bool, ...] = OFFLOADS,
-                compiler: str = "inductor") -> tuple[int, Plan]:
+                compiler: str = "inductor",
+                host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS) -> tuple[int, Plan]:
     """The longest sequence (a multiple of 2 x world size) with a plan that fits, and that plan
     (``compiler``: what will run the step, see :func:`plan`)."""
     fused = counts_fusion(compiler)
@@ -84,10 +95,10 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
         warnings.simplefilter("ignore")         # sizes are symbolic: no re-capture per probe
         budget = _budget(limit, memory_margin)
         s = _longest_fitting(lambda s: _fits(g, prof, world_size, dpn, zero_stage, s, budget, memory_margin,
-                                             offloads, fused), step, upper)
+                                             offloads, fused, host_optimizers), step, upper)
     if not s:
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin, offloads,
-                                           fused))
+                                           fused, host_optimizers))
     return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
                    profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
-                   memory_margin=memory_margin, offloads=offloads, compiler=compiler)
+                   memory_margin=memory_margin, offloads=offloads, compiler=compiler, host_optimizers=host_optimizers)

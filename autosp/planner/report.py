@@ -63,7 +63,8 @@ def layer_choices(alternative: dict[str, Any]) -> str:
                      + (" recomputed with the layer" if c.get("mlp_chunks", 1) > 1 and c["checkpoint"] == "full"
                         and not c.get("keep_mlp_input", True) else "")
                      + (", offloaded" if c.get("offload") else "")
-                     for c in alternative["layers"].values()) + loss
+                     for c in alternative["layers"].values()) + loss \
+        + ("; optimizer on the host" if alternative.get("host_optimizer") else "")
 
 
 def plan_table(plan) -> list:  # -> list of rich renderables
@@ -89,6 +90,9 @@ def plan_table(plan) -> list:  # -> list of rich renderables
                      + ("saved tensors offloaded to host, " if c.offload else "")
                      + f"overlap {layer.overlap}, exposed comm {layer.exposed_comm_s:.3f} s")
     head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")
+    if plan.mesh.host_optimizer:
+        head.add_row("optimizer", f"states in host memory, stepped there ({human(pr['host_optimizer_bytes'], 'B')}, "
+                                  f"step and copies {pr['host_optimizer_step_s']:.3f} s)")
     saves = pr.get("saved_by", {})
     if saves:
         head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in saves.items()))
@@ -108,7 +112,10 @@ def plan_table(plan) -> list:  # -> list of rich renderables
         head.add_row("  peaks in", f"{bound['phase']}")
     if pr.get("host_bytes"):
         budget = f" of {human(bound['host_budget'], 'B')} it may take" if bound and bound.get("host_budget") else ""
-        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded{budget} (the node's host "
+        states = pr.get("host_optimizer_bytes", 0.0)
+        parts = f" (checkpoints {human(pr['host_bytes'] - states, 'B')}, optimizer {human(states, 'B')})" \
+            if states else ""
+        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded{parts}{budget} (the node's host "
                                              f"memory is shared by its {min(plan.world_size, plan.devices_per_node)} "
                                              f"ranks)")
     for t in pr.get("largest_live", [])[:4]:

@@ -18,12 +18,12 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from autosp.costmodel.live_tensors import largest_live
-from autosp.costmodel.memory import layer_saved, mlp_saved, model_states
+from autosp.costmodel.memory import dtype_bytes, layer_saved, mlp_saved, model_states
 from autosp.costmodel.phases import FIRST, first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
-from autosp.costmodel.offload import copy_exposed, host_budget, offloaded_own
+from autosp.costmodel.offload import copy_exposed, host_budget, host_optimizer_bytes, host_optimizer_step, offloaded_own
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
-from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
+from autosp.decisions import CHECKPOINTS, HOST_OPTIMIZERS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.graph import OpGraph, capture
@@ -56,14 +56,21 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                      documents: tuple[int, ...] = (), overlap: bool = True,
                      mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
                      loss_chunks: tuple[int, ...] = LOSS_CHUNKS, zero_shard: int = 0,
-                     offloads: tuple[bool, ...] = OFFLOADS, fused: bool = True) -> tuple[list[Candidate], dict]:
+                     offloads: tuple[bool, ...] = OFFLOADS, fused: bool = True,
+                     host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS) -> tuple[list[Candidate], dict]:
     """The ILP's meshes and options (``fused``: as Inductor runs the step, :mod:`autosp.costmodel.fusion`);
     ``strategies`` restricts the strategy families, ``mlp_chunks``
     the token chunks a layer's MLP may run in, ``loss_chunks`` those of the LM head and loss (1: untiled),
     ``offloads`` whether layers may keep their saved tensors in host memory (only where the profile
-    has host memory to offload into)."""
+    has host memory to offload into), ``host_optimizers`` whether the optimizer may step on the host
+    (a mesh decision: where the profile can cost it)."""
     if not prof.host_memory_bytes:
         offloads = tuple(f for f in offloads if not f) or (False,)
+    if not prof.steps_on_host:
+        host_optimizers = tuple(f for f in host_optimizers if not f) or (False,)
+    optimizer = model_states(graph, world, zero_stage, zero_shard)["optimizer"]
+    host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
+    host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
@@ -154,9 +161,23 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
                                            own_bytes=offloaded_own(own_phases, one),
                                            host_bytes=lc.count * one, copy_exposed_s=lc.count * copy))
                 cand.options[fp] = opts
-            cands.append(cand)
+            cands.extend(_where_optimizer_steps(cand, host_optimizers, optimizer, host_step, host_states))
             preds[(sp, layout)] = ps
     return cands, preds
+
+
+def _where_optimizer_steps(cand: Candidate, host_optimizers: tuple[bool, ...], optimizer: float,
+                           host_step: float, host_states: float) -> list[Candidate]:
+    """The mesh candidate as allowed: optimizer states on the device, and/or on the host, where they
+    leave every device memory constant (``optimizer`` bytes) for the host's (``host_states``: with
+    fp32 masters) and the step adds its time (ilp.py)."""
+    out = [cand] if False in host_optimizers else []
+    if True in host_optimizers:
+        out.append(replace(cand, key=replace(cand.key, host_optimizer=True),
+                           base_time_s=cand.base_time_s + host_step, base_mem_bytes=cand.base_mem_bytes - optimizer,
+                           phase_mem_bytes={k: v - optimizer for k, v in cand.phase_mem_bytes.items()},
+                           base_host_bytes=host_states))
+    return out
 
 
 # kernels a chunk of a tiled region runs (forward, recompute, backward): each chunk beyond the first
@@ -184,7 +205,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
          strategies: tuple[str, ...] | None = None, documents: tuple[int, ...] | None = None,
          overlap: bool = True, mlp_chunks: tuple[int, ...] = MLP_CHUNKS,
          loss_chunks: tuple[int, ...] = LOSS_CHUNKS, memory_margin: float = MEMORY_MARGIN,
-         zero_shard: int | None = None, offloads: tuple[bool, ...] = OFFLOADS, compiler: str = "inductor") -> Plan:
+         zero_shard: int | None = None, offloads: tuple[bool, ...] = OFFLOADS, compiler: str = "inductor",
+         host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS) -> Plan:
     """Plan SP for ``model`` on ``world_size`` devices; see :mod:`autosp.planner.ilp` for the ILP.
 
     The plan's predicted peak stays within ``memory_limit`` x (1 - ``memory_margin``): the margin
@@ -192,7 +214,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
 
     ``sp_degrees``, ``checkpoints``, ``mlp_chunks`` (token chunks of a layer's MLP, 1 = untiled),
     ``loss_chunks`` (of the LM head and loss), ``offloads`` (whether layers may keep their saved
-    tensors in host memory) and ``strategies`` (strategy families) restrict the space,
+    tensors in host memory), ``host_optimizers`` (whether the optimizer states may live and step in
+    host memory) and ``strategies`` (strategy families) restrict the space,
     ``overlap=False`` to strategies that do not pipeline collectives with compute;
     ``documents``: lengths of the documents packed into each sequence (costed with the causal
     mask within each that the model builds from restarting position ids).
@@ -224,7 +247,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         t0 = time.perf_counter()
         cands, preds = build_candidates(g, prof, world_size, dpn, zero_stage, seq_len, sp_degrees, checkpoints,
                                         strategies, tuple(documents or ()), overlap, tuple(mlp_chunks),
-                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads), fused=fused)
+                                        tuple(loss_chunks), zero_shard=shard, offloads=tuple(offloads), fused=fused,
+                                        host_optimizers=tuple(host_optimizers))
         t_cost += time.perf_counter() - t0
         t1 = time.perf_counter()
         host = host_budget(prof, world_size, dpn, memory_margin)
@@ -240,7 +264,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         from autosp.planner.longest import _infeasible_hint   # it searches with plan's own feasibility
 
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, seq_len, limit, memory_margin,
-                                           tuple(offloads), fused))
+                                           tuple(offloads), fused, tuple(host_optimizers)))
     sol = ranked[0]
     by_key = {c.key: c for c in cands}
     out = _to_plan(g, prof, sol, ranked[1:], by_key, world_size, dpn, limit, memory_margin, zero_stage, zero_shard,
@@ -259,11 +283,12 @@ def _summary(g: OpGraph, prof: HardwareProfile, sol: Solution, cand: Candidate, 
     opts = {fp: {o.key: o for o in os} for fp, os in cand.options.items()}
     exposed = cand.base_exposed_s + sum(opts[fp][key].exposed_s for fp, key in sol.choice.items())
     copies = sum(opts[fp][key].copy_exposed_s for fp, key in sol.choice.items())
-    host = sum(opts[fp][key].host_bytes for fp, key in sol.choice.items())
+    host = cand.base_host_bytes + sum(opts[fp][key].host_bytes for fp, key in sol.choice.items())
     peak = prof.peak_flops(g.dtype)
     flops = g.total_flops(seq_len) / mesh.sp_degree
     # a report (JSON): the decisions as plain fields
     return {"sp": mesh.sp_degree, "layout": mesh.layout, "loss_chunks": mesh.loss_chunks,
+            "host_optimizer": mesh.host_optimizer,
             "layers": {fp: {"class": g.layer_classes[fp].module_type, **asdict(choice)}
                        for fp, choice in sol.choice.items()},
             "total_s": sol.time_s, "peak_bytes": sol.mem_bytes, "exposed_comm_s": exposed,
@@ -286,11 +311,18 @@ def _to_plan(g: OpGraph, prof: HardwareProfile, sol: Solution, alts: list[Soluti
         layers.append(LayerPlan(lc.module_type, fp, lc.count, choice, ulysses_degree=u, ring_degree=r,
                                 overlap=strat.overlap, exposed_comm_s=chosen.sp_exposed_s))
     states = model_states(g, world, zero_stage, zero_shard)
+    on_host = states["optimizer"] if sol.mesh.host_optimizer else 0.0
+    states["optimizer"] -= on_host      # stepped on the host: its states hold no device memory
     memory = {**states, "activations": sol.mem_bytes - sum(states.values()), "peak": sol.mem_bytes}
     saved_by = _what_each_saves(cands, sol)
+    if on_host:                         # they left every device constraint (ilp.py)
+        saved_by["optimizer on the host"] = on_host
     predicted = {"compute_s": main["compute_s"], "exposed_comm_s": main["exposed_comm_s"], "total_s": sol.time_s,
-                 # offload: host memory per rank its layers' saved tensors take, and the copies' exposed time
+                 # offload: host memory per rank its layers' saved tensors (and optimizer states, when
+                 # stepped there) take, and the copies' exposed time
                  "host_bytes": main["host_bytes"], "exposed_copy_s": main["exposed_copy_s"],
+                 "host_optimizer_bytes": cands[sol.mesh].base_host_bytes,
+                 "host_optimizer_step_s": host_optimizer_step(prof, on_host, dtype_bytes(g.dtype)) if on_host else 0.0,
                  "memory": memory, "peak_bytes": sol.mem_bytes,
                  "tokens_per_s_per_device": g.batch_size * seq_len / sp / sol.time_s, "mfu": main["mfu"],
                  "saved_by": saved_by,

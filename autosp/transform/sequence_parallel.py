@@ -9,6 +9,7 @@ and trims padded outputs back; ``report()`` says what ran.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.loss import LOSS_TOKENS
+from autosp.transform.host_optimizer import HostOptimizer
 from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
 from autosp.transform.zero.grad_reducer import GradReducer
@@ -137,8 +139,15 @@ class SequenceParallel(nn.Module):
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer for this model: ``cls(params, **kwargs)``; with ``zero_stage=1`` its states
         are sharded over the whole mesh (``ZeroRedundancyOptimizer``: each rank updates its share of
-        the parameters, then broadcasts them)."""
+        the parameters, then broadcasts them). Where the plan keeps optimizer states in host memory
+        (``MeshChoice.host_optimizer``, which a planner at the first call may decide), ``cls`` steps
+        there: :class:`autosp.transform.host_optimizer.HostOptimizer`."""
         params = [p for p in self.module.parameters() if p.requires_grad]
+        may = True in getattr(self.plan_provider, "host_optimizers", (False,))
+        if may or self.config.decisions.mesh.host_optimizer:
+            # asked at the first step: by then the first call's plan is the model's
+            on_host = (lambda: self.config.decisions.mesh.host_optimizer)  # noqa: E731
+            cls = functools.partial(HostOptimizer, optimizer_class=cls, on_host=on_host)
         if self.zero_stage == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
