@@ -113,3 +113,43 @@ def test_a_mesh_choice_checks_its_flag_and_plans_without_the_rate_never_step_on_
         MeshChoice(host_optimizer="yes")
     assert all(load_profile(name).steps_on_host for name in ("h100-sxm", "h200-sxm", "a100-sxm"))
     assert not load_profile("cpu-gloo").steps_on_host     # no host memory apart from the "device"'s
+
+
+def test_the_first_calls_planner_steps_the_optimizer_on_the_host_where_only_that_fits(tmp_path):
+    """``autosp.Auto(host_optimizer=None)``'s planner, on a profile with host memory: with the
+    memory decisions fixed, a budget between the two peaks is met only with the optimizer's states
+    off the device, so the plan keeps them on the host; allowed only the device, it refuses."""
+    import json
+
+    import transformers
+
+    from autosp.autoplan import AutoPlanner
+    from autosp.costmodel.profile import load_profile
+    from autosp.errors import AutospError
+    from autosp.planner.search import plan
+
+    data = dict(load_profile("cpu-gloo").data)
+    data["host"] = {**data["host"], "memory_bytes_per_node": 1e12}     # a host apart from the device
+    path = tmp_path / "with-host.json"
+    path.write_text(json.dumps(data))
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    fixed = dict(checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,), offloads=(False,))
+    kw = dict(seq_len=256, world_size=2, profile=str(path), dtype="float32", sp_degrees=(2,),
+              memory_limit=float(2 ** 40), **fixed)
+    on_device = plan(model, host_optimizers=(False,), **kw).predicted
+    states = on_device["memory"]["optimizer"]
+    assert states > 0
+    limit = (on_device["peak_bytes"] - states / 2) / 0.95         # between the two, with the 5% margin
+    planner = AutoPlanner(profile=str(path), cache=False, memory_limit=limit, host_optimizers=(False, True),
+                          checkpoints=fixed["checkpoints"], mlp_chunks=fixed["mlp_chunks"],
+                          loss_chunks=fixed["loss_chunks"])
+    chosen = planner._plan(model, 1, 256, 2)
+    assert chosen.mesh.host_optimizer and chosen.predicted["memory"]["optimizer"] == 0
+    assert chosen.predicted["peak_bytes"] == pytest.approx(on_device["peak_bytes"] - states)
+    assert chosen.predicted["host_optimizer_bytes"] == pytest.approx(1.5 * states)     # fp32: + the masters
+    planner.host_optimizers = (False,)        # what fits instead is named (here offload, tried first)
+    with pytest.raises(AutospError, match="without offload, the optimizer on the device; offloading"):
+        planner._plan(model, 1, 256, 2)
