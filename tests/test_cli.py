@@ -38,3 +38,16 @@ def test_explain_runs_a_step_and_reports_what_ran(capsys):
     assert all(a["tokens_per_rank"] == 128 for a in doc["attention"])
     assert doc["collectives"]["all_gather"]["calls"] == 4 and doc["collectives"]["reduce_scatter"]["calls"] == 4
     assert "send_recv" not in doc["collectives"] and "all_to_all" not in doc["collectives"]
+
+
+def test_plan_json_says_where_the_optimizer_steps_and_the_flag_keeps_it_on_the_device(capsys):
+    """At 3,974,896 tokens of Llama-3-8B on 8 H100s (ZeRO 3) the plan keeps the optimizer on the host;
+    ``--no-host-optimizer`` refuses that length in one line, naming what fits."""
+    args = ["plan", "--model", "llama3-8b", "--world-size", "8", "--profile", "h100-sxm", "--zero-stage", "3",
+            "--seq-len", "3974896"]
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mesh"]["host_optimizer"] is True and doc["predicted"]["memory"]["optimizer"] == 0
+    assert main(args + ["--no-host-optimizer"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stepping the optimizer on the host fits (drop --no-host-optimizer" in err[0], err
