@@ -153,3 +153,18 @@ def test_the_first_calls_planner_steps_the_optimizer_on_the_host_where_only_that
     planner.host_optimizers = (False,)        # what fits instead is named (here offload, tried first)
     with pytest.raises(AutospError, match="without offload, the optimizer on the device; offloading"):
         planner._plan(model, 1, 256, 2)
+
+
+def test_a_plan_told_to_use_the_host_on_a_profile_without_one_is_refused():
+    """cpu-gloo has no host memory apart from the device's: asked for the optimizer (or the
+    checkpoints) there, the planner says so instead of planning without them."""
+    from autosp.errors import AutospError
+    from autosp.planner.search import plan
+
+    kw = dict(seq_len=256, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,))
+    with pytest.raises(AutospError, match="the optimizer in host memory was asked for, but profile cpu-gloo has no "
+                                          "host memory.*autosp.Auto.host_optimizer=None"):
+        plan("tiny", host_optimizers=(True,), **kw)
+    with pytest.raises(AutospError, match="offloading checkpoints was asked for.*Decisions.of.offload=True"):
+        plan("tiny", offloads=(True,), **kw)
+    assert not plan("tiny", **kw).mesh.host_optimizer

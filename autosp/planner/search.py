@@ -64,10 +64,14 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
     ``offloads`` whether layers may keep their saved tensors in host memory (only where the profile
     has host memory to offload into), ``host_optimizers`` whether the optimizer may step on the host
     (a mesh decision: where the profile can cost it)."""
+    # where the profile cannot cost the host, only the device is planned; never when the caller fixed the host
     if not prof.host_memory_bytes:
-        offloads = tuple(f for f in offloads if not f) or (False,)
+        _host_refused(prof, "offloading checkpoints", offloads, "offload", "Decisions.of(offload=True)")
+        offloads = (False,)
     if not prof.steps_on_host:
-        host_optimizers = tuple(f for f in host_optimizers if not f) or (False,)
+        _host_refused(prof, "the optimizer in host memory", host_optimizers, "host_optimizer",
+                      "Decisions(mesh=autosp.MeshChoice(host_optimizer=True))")
+        host_optimizers = (False,)
     optimizer = model_states(graph, world, zero_stage, zero_shard)["optimizer"]
     host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
     host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
@@ -164,6 +168,17 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
             cands.extend(_where_optimizer_steps(cand, host_optimizers, optimizer, host_step, host_states))
             preds[(sp, layout)] = ps
     return cands, preds
+
+
+def _host_refused(prof: HardwareProfile, what: str, allowed: tuple[bool, ...], option: str, fixed: str) -> None:
+    """A plan asked to use the host (only True allowed) on a profile that cannot cost it: refused."""
+    if False in allowed:
+        return
+    why = "no host memory apart from the device's" if not prof.host_memory_bytes else \
+        "no host optimizer step rate (host.optimizer_params_per_s)"
+    raise AutospError(f"{what} was asked for, but profile {prof.name} has {why} to plan it; let the planner "
+                      f"decide (autosp.Auto({option}=None), or drop it), or fix the decision yourself "
+                      f"(autosp.{fixed})")
 
 
 def _where_optimizer_steps(cand: Candidate, host_optimizers: tuple[bool, ...], optimizer: float,
