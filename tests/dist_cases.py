@@ -662,9 +662,10 @@ def partial_grads_with_eager_parameters(seq_len: int = 32) -> dict[str, Any]:
 def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str = "ulysses", steps: int = 3,
                   seq_len: int = 32, rows: int = 2, uneven: bool = True, bucket_mb: float = 0.01,
                   plan_dir: str = "", zero_shard: Any = "mesh", compiler: str | None = None,
-                  **cfg: Any) -> dict[str, Any]:
+                  host_optimizer: bool = False, **cfg: Any) -> dict[str, Any]:
     """A dp x sp mesh (``rows`` data-parallel rows) against one process on the concatenated global
-    batch: loss and every parameter gradient per AdamW step, and what ran (from the report)."""
+    batch: loss and every parameter gradient per AdamW step, and what ran (from the report);
+    ``host_optimizer``: ``model.optimizer`` steps in host memory."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -678,7 +679,9 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
         _dp_plan(kind, seq_len, rows, strategy, zero_stage).save(path)
         sp = autosp.compile(model, plan=path, zero=autosp.Zero(bucket_mb=bucket_mb))
     else:
-        sp = autosp.compile(model, plan=strategy, mesh=mesh,
+        plan = autosp.Decisions.of(strategy=strategy, mesh=autosp.MeshChoice(host_optimizer=True)) \
+            if host_optimizer else strategy
+        sp = autosp.compile(model, plan=plan, mesh=mesh,
                             zero=autosp.Zero(stage=zero_stage, bucket_mb=bucket_mb, shard=zero_shard),
                             runtime=autosp.Runtime(compiler=compiler))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -711,6 +714,9 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
     out["report"] = sp.report().as_dict()
     out["row"] = row
     out["optimizer"] = type(opt_sp).__name__
+    stepped = getattr(opt_sp, "optim", opt_sp)              # ZeRO 1: the optimizer of this rank's share
+    out["stepped"] = (type(stepped).__name__, getattr(stepped, "on_host", None),
+                      len(getattr(stepped, "masters", ())), len(stepped.param_groups[0]["params"]))
     out["params"] = sum(1 for p in model.parameters() if p.requires_grad)
     states = getattr(opt_sp, "optim", opt_sp).state.values()
     out["state_elements"] = sum(_local(t).numel() for st in states for t in st.values() if t.dim() > 0)

@@ -223,13 +223,18 @@ def test_a_plan_applies_whole_mesh_strategy_and_zero_stage(pool, tmp_path):
     check_dp_sp(res, "allgather_kv", 3)
 
 
-def test_zero_stage_1_shards_optimizer_states_over_the_mesh(pool):
-    res = run_ok(pool, "dp_sp_compare", kind="llama", strategy="allgather_kv", zero_stage=1)
+@pytest.mark.parametrize("host_optimizer", [False, True])
+def test_zero_stage_1_shards_optimizer_states_over_the_mesh(pool, host_optimizer):
+    res = run_ok(pool, "dp_sp_compare", kind="llama", strategy="allgather_kv", zero_stage=1,
+                 host_optimizer=host_optimizer)
     check_dp_sp(res, "allgather_kv", 1)
     # AdamW's two moments, each rank holding its share of the parameters (whole tensors: about 1/4)
     total = sum(r["state_elements"] for r in res)
     assert total == 2 * res[0]["param_elements"], total
     assert all(r["optimizer"] == "ZeroRedundancyOptimizer" and r["state_elements"] < 0.4 * total for r in res)
+    for r in res:           # each rank's share stepped by AdamW on the device, or in host memory over fp32 masters
+        kind, on_host, masters, share = r["stepped"]
+        assert (kind, on_host, masters) == (("HostOptimizer", True, share) if host_optimizer else ("AdamW", None, 0)), r
 
 
 def test_zero_stage_0_on_sp_only_mesh_and_accumulation(pool):
