@@ -168,3 +168,13 @@ def test_a_plan_told_to_use_the_host_on_a_profile_without_one_is_refused():
     with pytest.raises(AutospError, match="offloading checkpoints was asked for.*Decisions.of.offload=True"):
         plan("tiny", offloads=(True,), **kw)
     assert not plan("tiny", **kw).mesh.host_optimizer
+
+
+def test_a_plan_with_the_optimizer_on_the_host_warns_where_the_caller_made_their_own():
+    """The first call's check (autosp/transform/first_call.py): a plan that keeps the states on the host,
+    and no optimizer made by ``model.optimizer(...)``, warns that the caller's keeps them on the device."""
+    from autosp.transform.first_call import optimizer_placement_warning
+
+    msg = optimizer_placement_warning(True, 0)
+    assert msg and "model.optimizer(torch.optim.AdamW" in msg and "on the device" in msg
+    assert optimizer_placement_warning(True, 1) is None and optimizer_placement_warning(False, 0) is None

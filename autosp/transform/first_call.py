@@ -49,6 +49,17 @@ def check_first_call(sp: Any, padded: bool) -> None:
                           "attention_mask or a sequence length divisible by the SP degree")
 
 
+def optimizer_placement_warning(host_optimizer: bool, optimizers_made: int) -> str | None:
+    """What to tell a caller whose plan keeps the optimizer's states in host memory but who made no
+    optimizer with ``model.optimizer(...)``: theirs keeps the states on the device, which the plan's
+    device memory does not count (an out-of-memory at the length planned)."""
+    if not host_optimizer or optimizers_made:
+        return None
+    return ("the plan keeps the optimizer's states in host memory (the device's memory was planned without "
+            "them): make the optimizer with model.optimizer(torch.optim.AdamW, ...), which steps them there; "
+            "an optimizer made otherwise keeps them on the device")
+
+
 def refuse_eager_parameters(sp: Any) -> None:
     """With partial-sum gradients, a parameter no compiled graph reads ran eagerly (a graph break
     left its frame uncompiled) on the full sequence: its gradient is full on every rank, and the

@@ -29,7 +29,7 @@ from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
 from autosp.transform.backend import BackendState, SPConfig, make_backend
 from autosp.transform.first_call import (check_deepspeed_groups, check_first_call, check_same_batch,
-                                        refuse_partitioned_parameters)
+                                         optimizer_placement_warning, refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.loss import LOSS_TOKENS
@@ -115,6 +115,7 @@ class SequenceParallel(nn.Module):
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
         self._after_backward: OrderedDict[int, Callable] = OrderedDict()     # DeepSpeed ZeRO 3: reduction
+        self._optimizers_made = 0        # by optimizer(): where a plan keeps its states on the host, it must
 
     def register_full_backward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
         """DeepSpeed ZeRO 3 reduces this leaf module's gradients in a full backward hook, which torch
@@ -142,6 +143,7 @@ class SequenceParallel(nn.Module):
         the parameters, then broadcasts them). Where the plan keeps optimizer states in host memory
         (``MeshChoice.host_optimizer``, which a planner at the first call may decide), ``cls`` steps
         there: :class:`autosp.transform.host_optimizer.HostOptimizer`."""
+        self._optimizers_made += 1
         params = [p for p in self.module.parameters() if p.requires_grad]
         may = True in getattr(self.plan_provider, "host_optimizers", (False,))
         if may or self.config.decisions.mesh.host_optimizer:
@@ -260,6 +262,9 @@ class SequenceParallel(nn.Module):
         if not self._checked:
             self._checked = True
             check_first_call(self, padded_len != seq_len)
+            placement = optimizer_placement_warning(self.config.decisions.mesh.host_optimizer, self._optimizers_made)
+            if placement and torch.is_grad_enabled():
+                warnings.warn(placement, stacklevel=2)
         if torch.is_grad_enabled():
             run_after_backward(self, list(self._after_backward.values()), out)
         if padded_len != seq_len and named.get("attention_mask") is None and \
