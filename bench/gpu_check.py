@@ -1,6 +1,6 @@
 """GPU checks, for a machine with one CUDA device (skipped without one).
 
-    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency|offload] [--dry]
+    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency|offload|e2e] [--dry]
 
 1. Blockwise attention on CUDA (the kernels ring / all-gather-KV / hybrid run
    on): queries and keys in arbitrary chunk orders, merged by log-sum-exp,
@@ -23,6 +23,10 @@
    checkpoints, and of the optimizer, stepped in host memory) on and off, the host optimizer's
    bytes and step time, and the device <-> host copy bandwidth. Written to DIR/offload.json. ``--dry`` runs it on CPU
    with a tiny model (the suite does).
+6. A sharded training step per strategy (``--only e2e``, :mod:`sharded_step_check`): a small
+   bf16 Llama through Inductor on 2 ranks (a GPU each over NCCL, or both on one GPU over gloo),
+   loss and every gradient against one process within bf16 tolerance, and the collectives that
+   ran. Written to DIR/sharded_step.json. ``--dry`` runs it on CPU (``--strategies`` picks some).
 """
 
 from __future__ import annotations
@@ -233,8 +237,9 @@ def concurrency_check(repeats: int = 9) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=["concurrency", "offload"], help="run this check alone")
-    ap.add_argument("--dry", action="store_true", help="--only offload on CPU with a tiny model")
+    ap.add_argument("--only", choices=["concurrency", "offload", "e2e"], help="run this check alone")
+    ap.add_argument("--strategies", default=None, help="--only e2e: comma-separated (default: every one)")
+    ap.add_argument("--dry", action="store_true", help="--only offload / e2e on CPU with a tiny model")
     ap.add_argument("--tokens", type=int, default=None, help="--only offload: tokens per rank (default 131072)")
     args = ap.parse_args()
     if args.only == "offload":
@@ -245,6 +250,16 @@ def main() -> None:
             offload_check.main(args.out, args.dry, args.tokens)
         else:
             print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
+        return
+    if args.only == "e2e":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import sharded_step_check
+
+        if args.dry or torch.cuda.is_available():
+            picked = tuple(args.strategies.split(",")) if args.strategies else None
+            res = sharded_step_check.main(args.out, args.dry, picked)
+            return 0 if all(r["ok"] for r in res["rows"]) else 1
+        print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
         return
     if not torch.cuda.is_available():
         print("no CUDA device: GPU checks skipped")

@@ -20,7 +20,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads: int | None, out: Any) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads: int | None, out: Any,
+           backend: str = "gloo") -> None:
     import warnings
 
     import torch
@@ -29,7 +30,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_VERBOSITY="error")
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    if backend == "nccl":               # one device per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         try:
             res = fn(**kwargs)
@@ -43,8 +46,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads
         dist.destroy_process_group()
 
 
-def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: float = 3600, **kwargs: Any) -> Any:
-    """Run ``fn(**kwargs)`` on ``world`` spawned gloo ranks; returns rank 0's result (or raises its error).
+def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: float = 3600, backend: str = "gloo",
+               **kwargs: Any) -> Any:
+    """Run ``fn(**kwargs)`` on ``world`` spawned gloo ranks (``backend``: another, e.g. NCCL on a machine
+    with a GPU per rank); returns rank 0's result (or raises its error).
 
     ``fn`` must be importable by name (a module-level function). ``threads`` per rank
     defaults to an even share of the cores.
@@ -54,7 +59,8 @@ def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: fl
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, threads, out)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, threads, out, backend))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
