@@ -59,7 +59,6 @@ from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.attention_region import REGION_TARGETS
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
-from autosp.transform.observe import observe_tokens
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
 from autosp.transform.token_local import token_local_module
 
@@ -450,11 +449,6 @@ class Sharder:
         runtime = self.ctx.runtime.get(strat.spec)
         if runtime is None:   # picked by "auto": compile prepared only named strategies (auto needs no sub-groups)
             runtime = self.ctx.runtime[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
-        # what this rank holds here, recorded as the graph runs (report().attention[i].tokens_per_rank)
-        with self.gm.graph.inserting_before(n):
-            seen = self.gm.graph.call_function(observe_tokens._opoverload,
-                                               (n.args[0], qv.dim() - 2, index, self.ctx.group_name))
-        seen.meta = _inserted_meta(n.args[0])
         n.target = strat.region_fn if written else strat.attention_fn
         n.kwargs = {**n.kwargs, **runtime, "layout": self.ctx.layout}
         early = strat.early_issue(shape)
