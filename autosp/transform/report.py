@@ -25,7 +25,7 @@ class AttentionRow:
     ulysses_degree: int
     ring_degree: int
     heads_per_rank: int            # inside attention
-    tokens_per_rank: int           # at its output (its queries), observed as the last step ran (0: none yet)
+    tokens_per_rank: int           # outside attention (and queries inside, for ring-like strategies)
     checkpoint: str
     overlap: str = "none"          # how its collectives overlap its compute (the strategy says)
     mlp_chunks: int = 1            # token chunks its layer's MLP ran in (1: untiled)

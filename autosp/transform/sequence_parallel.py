@@ -33,7 +33,6 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.loss import LOSS_TOKENS
-from autosp.transform.observe import ATTENTION_TOKENS
 from autosp.transform.host_optimizer import HostOptimizer
 from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
@@ -179,8 +178,7 @@ class SequenceParallel(nn.Module):
                 self.config.compiler == "eager" or not self.config.mlp_region_of_its_own(i))
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
-                ring_degree=r, heads_per_rank=heads // u,
-                tokens_per_rank=ATTENTION_TOKENS.get((self.group.group_name, i), 0),    # observed as it ran
+                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
                 checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
                 fused_norms=fused.get(i, 0)))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
@@ -246,8 +244,6 @@ class SequenceParallel(nn.Module):
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
         LOSS_TOKENS.pop(self._loss_group_name, None)     # this step's count, or none
-        for key in [k for k in ATTENTION_TOKENS if k[0] == self.group.group_name]:
-            del ATTENTION_TOKENS[key]                     # this step's observations, or none
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
