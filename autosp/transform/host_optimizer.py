@@ -90,6 +90,7 @@ class HostOptimizer(torch.optim.Optimizer):
             inner.step()
             return loss
         params, counts = self._params(), dict.fromkeys(self.copies, 0)
+        on_cuda = any(p.is_cuda for p in params)
         for p, m in zip(params, self.masters):
             if p.grad is None:
                 m.grad = None
@@ -100,7 +101,7 @@ class HostOptimizer(torch.optim.Optimizer):
             m.grad.copy_(grad, non_blocking=True)
             counts["grads_to_host"] += 1
             counts["bytes_to_host"] += grad.numel() * grad.element_size()
-        if any(p.is_cuda for p in params):
+        if on_cuda:
             torch.cuda.current_stream().synchronize()     # the gradients are on the host
         inner.step()
         for p, m in zip(params, self.masters):
@@ -109,7 +110,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 local.copy_(m, non_blocking=True)
                 counts["params_to_device"] += 1
                 counts["bytes_to_device"] += local.numel() * local.element_size()
-        if any(p.is_cuda for p in params):
+        if on_cuda:
             torch.cuda.current_stream().synchronize()     # the host masters may change at the next step
         self.copies = counts
         return loss

@@ -115,7 +115,7 @@ class SequenceParallel(nn.Module):
         # hooks none of the modules inside, whose hooks would cut the compiled graph into pieces.
         self._z3_leaf = True
         self._after_backward: OrderedDict[int, Callable] = OrderedDict()     # DeepSpeed ZeRO 3: reduction
-        self._optimizers_made = 0        # by optimizer(): where a plan keeps its states on the host, it must
+        self._optimizers_made = 0        # by optimizer(): the only one that follows a plan's host optimizer
 
     def register_full_backward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
         """DeepSpeed ZeRO 3 reduces this leaf module's gradients in a full backward hook, which torch
