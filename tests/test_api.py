@@ -153,3 +153,25 @@ def test_the_trainer_refuses_metrics_over_sharded_logits(tmp_path):
         AutospTrainer(model=model, args=args, compute_metrics=lambda p: {})
     AutospTrainer(model=model, args=args, compute_metrics=lambda p: {},
                   autosp={"runtime": autosp.Runtime(gather_outputs=True)})
+
+
+def test_the_tokens_observed_at_an_attention_op_are_recorded_by_every_compiler():
+    """``autosp::observe_tokens`` returns nothing: only its side effect keeps it in a compiled graph.
+    Each compiler runs it at every call, at the length of that call (one graph, dynamic shapes)."""
+    import torch
+
+    from autosp.transform.observe import ATTENTION_TOKENS, observe_tokens
+
+    def f(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        observe_tokens(q, 2, 7, "probe")
+        return (q @ w).relu().sum()
+
+    for backend in ("eager", "aot_eager", "inductor"):
+        torch._dynamo.reset()
+        g = torch.compile(f, backend=backend, dynamic=True)
+        for tokens in (8, 24):
+            ATTENTION_TOKENS.clear()
+            q = torch.randn(1, 2, tokens, 4, requires_grad=True)
+            g(q, torch.randn(4, 3, requires_grad=True)).backward()
+            assert ATTENTION_TOKENS == {("probe", 7): tokens}, (backend, tokens)
+    ATTENTION_TOKENS.clear()

@@ -1,7 +1,7 @@
 """What autosp did to a model: ``sp.report()``.
 
-Per attention op (as compiled): the strategy that runs it, the token layout, the
-heads it sees and the 2-D grid (Ulysses x ring) it uses, the heads and tokens each
+Per attention op of the graphs the last step ran (before any step: of every graph compiled): the
+strategy that runs it, the token layout, the heads it sees and the 2-D grid (Ulysses x ring) it uses, the heads and tokens each
 rank holds inside attention and outside it, and the checkpointing of its layer. Per
 step (since the last forward began): the collectives issued on the model's groups,
 by kind, with the bytes this rank sent and the seconds its compute waited on them
@@ -25,7 +25,7 @@ class AttentionRow:
     ulysses_degree: int
     ring_degree: int
     heads_per_rank: int            # inside attention
-    tokens_per_rank: int           # outside attention (and queries inside, for ring-like strategies)
+    tokens_per_rank: int           # at its output (its queries), observed as the last step ran (0: none yet)
     checkpoint: str
     overlap: str = "none"          # how its collectives overlap its compute (the strategy says)
     mlp_chunks: int = 1            # token chunks its layer's MLP ran in (1: untiled)

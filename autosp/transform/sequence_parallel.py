@@ -33,6 +33,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
 from autosp.transform.loss import LOSS_TOKENS
+from autosp.transform.observe import ATTENTION_TOKENS
 from autosp.transform.host_optimizer import HostOptimizer
 from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
@@ -170,7 +171,10 @@ class SequenceParallel(nn.Module):
         tiled = {layer: k for r in self.state.reports for layer, k in r.mlp_chunks.items()}
         fused = {layer: k for r in self.state.reports for layer, k in r.fused_norms.items()}
         rows = []
+        seen = {i: t for (g, i), t in ATTENTION_TOKENS.items() if g == self.group.group_name}
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
+            if seen and i not in seen:
+                continue        # a graph that did not run in the last step (another length bucket's)
             strat = resolve(spec)
             u, r = strat.grid(mesh)
             mode = modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"
@@ -178,7 +182,8 @@ class SequenceParallel(nn.Module):
                 self.config.compiler == "eager" or not self.config.mlp_region_of_its_own(i))
             rows.append(AttentionRow(
                 index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
-                ring_degree=r, heads_per_rank=heads // u, tokens_per_rank=step["padded_len"] // self.sp_degree,
+                ring_degree=r, heads_per_rank=heads // u,
+                tokens_per_rank=seen.get(i, 0),    # observed as it ran
                 checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
                 fused_norms=fused.get(i, 0)))
         groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
@@ -244,6 +249,8 @@ class SequenceParallel(nn.Module):
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
         LOSS_TOKENS.pop(self._loss_group_name, None)     # this step's count, or none
+        for key in [k for k in ATTENTION_TOKENS if k[0] == self.group.group_name]:
+            del ATTENTION_TOKENS[key]                     # this step's observations, or none
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"

@@ -59,6 +59,7 @@ from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.attention_region import REGION_TARGETS
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
+from autosp.transform.observe import observe_tokens
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
 from autosp.transform.token_local import token_local_module
 
@@ -455,6 +456,12 @@ class Sharder:
         if early is not None:
             n.kwargs = {**n.kwargs, "first": tuple(self._issue_where_made(a, early, runtime) for a in n.args[:3])}
         self.place[n] = (qv.dim() - 2,)
+        # what this rank holds here, recorded as the graph runs (report().attention[i].tokens_per_rank):
+        # read off the attention's local output, which every strategy returns as this rank's tokens
+        with self.gm.graph.inserting_after(n):
+            seen = self.gm.graph.call_function(observe_tokens._opoverload,
+                                               (n, qv.dim() - 2, index, self.ctx.group_name))
+        seen.meta = _inserted_meta(n)
         self.report.attention += 1
         self.report.strategies.append(strat.spec)
         self.report.heads.append((shape.heads, shape.kv_heads))
