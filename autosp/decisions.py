@@ -19,17 +19,29 @@ by hand between them, and the spaces the planner searches (``CHECKPOINTS``, ``ML
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from autosp.errors import AutospError
 
 CHECKPOINTS = ("none", "selective", "full")    # activation checkpointing per layer
-MLP_CHUNKS = (1, 8, 32)          # token chunks of a layer's MLP the planner chooses between (1: untiled)
+# In MLP_CHUNKS: as many chunks as ALST's TiledMLP runs, ceil(tokens per rank / hidden size), planned where
+# that is more than the largest fixed count (at millions of tokens: chunks of about the hidden size)
+HIDDEN_SIZED = -1
+MLP_CHUNKS = (1, 8, 32, HIDDEN_SIZED)    # token chunks of a layer's MLP the planner chooses between (1: untiled)
 LOSS_CHUNKS = (1, 8, 64, 256)         # ... and of the LM head and loss
 OFFLOADS = (False, True)     # whether a layer class keeps its saved tensors in host memory
 HOST_OPTIMIZERS = (False, True)    # whether optimizer states (and fp32 master weights) live and step on the host
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+
+def mlp_chunk_counts(allowed: tuple[int, ...], tokens: float, hidden: float) -> tuple[int, ...]:
+    """The MLP chunk counts planned at ``tokens`` per rank: ``allowed``, with HIDDEN_SIZED made ALST's own
+    count, ceil(tokens / hidden), where that is more than the others (else left out)."""
+    fixed = tuple(c for c in allowed if c != HIDDEN_SIZED)
+    alst = math.ceil(tokens / hidden)
+    return fixed + ((alst,) if HIDDEN_SIZED in allowed and alst > max(fixed, default=1) else ())
 
 
 def _positive(name: str, k: Any) -> None:

@@ -59,7 +59,7 @@ def cost_model(model: str, profile: str, world: int, devices_per_node: int, zero
     predict = importlib.import_module("autosp.costmodel.predict").predict
     graph = capture(model, seq_len=4096)
     prof = load_profile(profile)
-    limit = (memory_gib * 2 ** 30) if memory_gib else prof.memory_bytes
+    limit = (memory_gib * 2 ** 30) if memory_gib else prof.tensor_memory_bytes
 
     @functools.lru_cache(maxsize=None)
     def time_of(length: int, documents: tuple[int, ...], k: int) -> float | None:

@@ -41,10 +41,10 @@ def test_explain_runs_a_step_and_reports_what_ran(capsys):
 
 
 def test_plan_without_the_host_optimizer_refuses_in_one_line_naming_what_fits(capsys):
-    """At 3,974,896 tokens of Llama-3-8B on 8 H100s (ZeRO 3) only the optimizer on the host fits
+    """At 4,079,872 tokens of Llama-3-8B on 8 H100s (ZeRO 3) only the optimizer on the host fits
     (tests/test_planner.py pins that plan); ``--no-host-optimizer`` refuses in one line, naming it."""
     args = ["plan", "--model", "llama3-8b", "--world-size", "8", "--profile", "h100-sxm", "--zero-stage", "3",
-            "--seq-len", "3974896", "--no-host-optimizer"]
+            "--seq-len", "4079872", "--no-host-optimizer"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stepping the optimizer on the host fits (drop --no-host-optimizer" in err[0], err

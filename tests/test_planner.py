@@ -1,6 +1,7 @@
 """The planner: ILP optimality against brute force, plan sense, plan files, CLI."""
 
 import json
+import math
 import random
 
 import pytest
@@ -424,22 +425,28 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
 
 def test_the_optimizer_steps_on_the_host_where_the_device_needs_its_memory(llama8b_4k):
     """Llama-3-8B on 8 H100s, ZeRO 3, Inductor: with its optimizer states (11.2 GiB per rank) in host
-    memory the longest length is 3,974,896 tokens (3,623,952 with them on the device, where the host
-    bound the MLP input's offload): the layers recompute their tiled MLP with the layer, offloaded,
-    and the device holds no optimizer state. One step longer is refused; with the optimizer kept on
-    the device the same length is refused, saying what fits. At 128k tokens, where memory is
-    plenty, the planner keeps the optimizer on the device (its host step only costs time)."""
-    g, n = llama8b_4k, 3_974_896
+    memory the longest length is 4,079,872 tokens: the layers recompute their tiled MLP with the layer,
+    offloaded, in ALST's own number of chunks (ceil(tokens per rank / hidden size) = 125, chunks of
+    about 4096 tokens; with 32 at most the length is refused), and the device holds no optimizer state.
+    The device's tensors may use the H100's 79.10 GiB less the 4.34 GB the CUDA context and NCCL hold.
+    One step longer is refused; with the optimizer kept on the device the same length is refused,
+    saying what fits. At 128k tokens, where memory is plenty, the planner keeps the optimizer on the
+    device (its host step only costs time)."""
+    g, n = llama8b_4k, 4_079_872
     kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8)
     p = plan(None, seq_len=n, **kw)
     c = p.layers[0].choice
     assert p.mesh.host_optimizer and (c.checkpoint, c.offload, c.mlp_with_layer) == ("full", True, True), p.mesh
+    assert c.mlp_chunks == math.ceil(n / 8 / 4096) == 125, c
+    assert p.memory_limit_bytes == pytest.approx(79.10 * 2 ** 30 - 4.34e9, rel=1e-9)
     assert p.predicted["memory"]["optimizer"] == 0
     assert p.predicted["host_optimizer_bytes"] == pytest.approx(g.total_params * 12 / 8)
     assert 0 < p.predicted["host_optimizer_step_s"] < 0.001 * p.predicted["total_s"]
     assert p.predicted["host_bytes"] > p.predicted["host_optimizer_bytes"]      # the checkpoints beside them
     with pytest.raises(AutospError, match="no plan fits"):
         plan(None, seq_len=n + 16, **kw)
+    with pytest.raises(AutospError, match="no plan fits"):
+        plan(None, seq_len=n, mlp_chunks=(1, 8, 32), **kw)
     with pytest.raises(AutospError, match="the optimizer on the device; stepping the optimizer on the host fits"):
         plan(None, seq_len=n, host_optimizers=(False,), **kw)
     assert not plan(None, seq_len=131072, **kw).mesh.host_optimizer

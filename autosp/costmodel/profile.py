@@ -77,6 +77,17 @@ class HardwareProfile:
     def source(self) -> dict:
         return self.data.get("source", {})
 
+    @property
+    def runtime_reserved_bytes(self) -> float:
+        """Device memory a training process holds outside PyTorch's allocator (the CUDA context,
+        NCCL's communicator buffers), which no tensor can use (0 where the profile does not say)."""
+        return float(self.data.get("runtime_reserved_bytes", 0.0))
+
+    @property
+    def tensor_memory_bytes(self) -> float:
+        """The memory a step's tensors may use when no limit is given: the device's, less the runtime's."""
+        return self.memory_bytes - self.runtime_reserved_bytes
+
     # -------------------------------------------------------------- host memory (offload)
     @property
     def host_memory_bytes(self) -> float:

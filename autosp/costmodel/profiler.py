@@ -237,6 +237,8 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
                    "how": f"autosp profile{' --quick' if quick else ''}: median of {repeats} after warm-up",
                    "torch": torch.__version__},
         "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else _cpu_memory_per_core(),
+        # held outside the allocator by now: the CUDA context and the communicators the collectives made
+        **({"runtime_reserved_bytes": _outside_allocator(device)} if cuda else {}),
         "devices_per_node": torch.cuda.device_count() if cuda else _cores(),
         "op_overhead_s": overhead,
         **({} if cuda else {"threads_per_device": 1}),     # see HardwareProfile.attention_call_time
@@ -252,6 +254,12 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     return doc
+
+
+def _outside_allocator(device: torch.device) -> float:
+    """Device memory this process holds outside PyTorch's allocator (see HardwareProfile.runtime_reserved_bytes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return float(total - free - torch.cuda.memory_reserved(device))
 
 
 def _merged(out: str, doc: dict, sections: set[str]) -> dict:

@@ -5,7 +5,19 @@
 Figures (cited in each file's ``source``):
   dense bf16 peak   H100/H200 SXM ~989 TFLOP/s, A100 SXM 312 TFLOP/s (NVIDIA datasheets)
   HBM bandwidth     H100 3.35 TB/s, H200 4.8 TB/s, A100 2.0 TB/s (datasheets)
-  memory            H100 80 GB, H200 141 GB, A100 80 GB (datasheets)
+  memory            what CUDA gives a process (torch.cuda.get_device_properties().total_memory),
+                    not the datasheets' decimal "80 GB" / "141 GB": those name HBM sold in GiB.
+                    NVML reports 81,559 MiB on an H100 80GB, 143,771 MiB on an H200, 81,920 MiB
+                    on an A100 80GB (Modal, "Why does an NVIDIA H100 80GB card offer 85.52 GB?");
+                    PyTorch's own out-of-memory messages report total capacities of 79.10-79.18 GiB
+                    on H100 80GB HBM3, 79.15 GiB on A100 80GB and 139.80-139.81 GiB on H200, and
+                    this project measured 139.80 GiB on an H200 (profiles/h200-sxm-measured.json).
+                    The lowest seen is used: 79.10 GiB (H100), 79.15 GiB (A100), 139.80 GiB (H200).
+  runtime memory    what a training process holds outside PyTorch's allocator, which no tensor can
+                    use: 4.34 GB on 8 x H100 after one all_to_all_single, the CUDA context's
+                    1.06 GB included (NCCL maintainers, NVIDIA/nccl issue 1685: 32 channels per
+                    pair of GPUs); the same figure is used for the H200 and A100 until measured
+                    (``autosp profile`` measures it).
   NVLink            ~370 GB/s bus bandwidth for all-gather / reduce-scatter / all-to-all-class
                     collectives, ~480 GB/s for NVLS all-reduce on H100/H200 (nccl-tests, NCCL
                     maintainers); A100 NVLink3 ~230 GB/s (nccl-tests class figure)
@@ -34,15 +46,25 @@ import os
 
 from autosp.costmodel.profile import BYTES_MOVED, SCHEMA
 
+GIB = 2 ** 30
 GPUS = {
-    "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=80e9, nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM",
-                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H100"),
-    "h200-sxm": dict(peak=989e12, hbm=4.8e12, mem=141e9, nvlink=370e9, nvls=480e9, label="NVIDIA H200 SXM",
-                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H200"),
-    "a100-sxm": dict(peak=312e12, hbm=2.0e12, mem=80e9, nvlink=230e9, nvls=230e9, label="NVIDIA A100 SXM",
-                     pcie=25e9, pcie_label="PCIe Gen4 x16", host_mem=2e12, system="DGX A100 (80 GB GPUs)"),
+    "h100-sxm": dict(peak=989e12, hbm=3.35e12, mem=int(79.10 * GIB), nvlink=370e9, nvls=480e9, label="NVIDIA H100 SXM",
+                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H100", datasheet_mem="80 GB",
+                     optimizer=1e9, optimizer_how="estimated from DGX H100's DRAM (2 sockets of 8-channel DDR5-4800, "
+                     "about 600 GB/s) shared by 8 ranks, an AdamW step moving about 32 bytes per parameter, at half "
+                     "of that bandwidth"),
+    "h200-sxm": dict(peak=989e12, hbm=4.8e12, mem=int(139.80 * GIB), nvlink=370e9, nvls=480e9, label="NVIDIA H200 SXM",
+                     pcie=50e9, pcie_label="PCIe Gen5 x16", host_mem=2e12, system="DGX H200", datasheet_mem="141 GB",
+                     optimizer=1e9, optimizer_how="estimated as for DGX H100 (same host: 2 sockets of DDR5-4800 "
+                     "shared by 8 ranks, about 32 bytes moved per parameter, half the bandwidth)"),
+    "a100-sxm": dict(peak=312e12, hbm=2.0e12, mem=int(79.15 * GIB), nvlink=230e9, nvls=230e9, label="NVIDIA A100 SXM",
+                     pcie=25e9, pcie_label="PCIe Gen4 x16", host_mem=2e12, system="DGX A100 (80 GB GPUs)",
+                     datasheet_mem="80 GB", optimizer=0.6e9, optimizer_how="estimated from DGX A100's DRAM "
+                     "(2 sockets of 8-channel DDR4-3200, about 400 GB/s) shared by 8 ranks, about 32 bytes moved per "
+                     "parameter, at half of that bandwidth"),
 }
 IB = 48e9
+RUNTIME_RESERVED = 4.34e9
 EFF = dict(matmul=0.75, attention=0.55, attention_backward=0.45, memory=0.80)
 FLOOR, LAT_INTRA, LAT_INTER = 5e-6, 10e-6, 20e-6
 HOPPER_CONCURRENCY = {
@@ -84,16 +106,20 @@ def build(name: str) -> dict:
             "device": g["label"],
             "citations": [
                 f"{g['label']} datasheet: dense bf16 {g['peak'] / 1e12:.0f} TFLOP/s, HBM {g['hbm'] / 1e12:.2f} TB/s, "
-                f"{g['mem'] / 1e9:.0f} GB",
+                f"{g['datasheet_mem']} (CUDA gives a process {g['mem'] / GIB:.2f} GiB: see "
+                "autosp.costmodel.published)",
                 f"nccl-tests bus bandwidth: ~{g['nvlink'] / 1e9:.0f} GB/s all-gather/all-to-all class, "
                 f"~{g['nvls'] / 1e9:.0f} GB/s all-reduce inside a node",
                 "nccl-tests InfiniBand NDR 400G: 46-49 GB/s per NIC (48 used), one NIC per GPU",
+                f"runtime memory outside PyTorch's allocator: {RUNTIME_RESERVED / 1e9:.2f} GB on 8 x H100 after "
+                "one all_to_all_single, CUDA context included (NVIDIA/nccl issue 1685)",
             ],
             "assumptions": {"efficiency": EFF, "kernel_floor_s": FLOOR, "latency_intra_s": LAT_INTRA,
                             "latency_inter_s": LAT_INTER},
             "how": "python -m autosp.costmodel.published",
         },
         "memory_bytes": g["mem"],
+        "runtime_reserved_bytes": RUNTIME_RESERVED,
         "devices_per_node": 8,
         "op_overhead_s": 0.0,
         "compute": compute,
@@ -104,11 +130,14 @@ def build(name: str) -> dict:
 
 
 def host_section(g: dict) -> dict:
-    """Device <-> host copies (pinned memory, each way, per GPU) and the node's host memory."""
+    """Device <-> host copies (pinned memory, each way, per GPU), the node's host memory and the
+    rate one rank's optimizer steps there."""
     return {"link_bytes_per_s": g["pcie"], "memory_bytes_per_node": g["host_mem"], "latency_s": LAT_INTRA,
+            "optimizer_params_per_s": g["optimizer"],
             "how": f"published: {g['pcie_label']} per GPU, {g['pcie_label'].split()[1]} pinned copies measured at "
                    f"about {g['pcie'] / 1e9:.0f} GB/s each way (CUDA bandwidthTest class); {g['system']}: "
-                   f"{g['host_mem'] / 1e12:.0f} TB of host memory per node"}
+                   f"{g['host_mem'] / 1e12:.0f} TB of host memory per node; optimizer on the host (AdamW, fp32, "
+                   f"per rank): {g['optimizer_how']}: {g['optimizer'] / 1e9:.1f}e9 parameters/s"}
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ Sets
                model's depth never enlarges the ILP)
   O_{g,c}      options for class c under g: (attention strategy s, checkpointing k, MLP chunks n,
                MLP input kept i, offload f), k in {none, selective, full}, i, f in {0, 1}
-               (i = 0 only with k = full and n > 1); strategies whose head/topology
+               (i = 0 only with k = full and n > 1); n in {1, 8, 32} and, where larger,
+               ALST's ceil(tokens per rank / hidden size); strategies whose head/topology
                constraints fail under g are left out
 
 Variables

@@ -88,7 +88,7 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
     fused = counts_fusion(compiler)
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     dpn = devices_per_node or prof.devices_per_node
-    limit = memory_limit or prof.memory_bytes
+    limit = memory_limit or prof.tensor_memory_bytes
     step = 2 * world_size
     g = graph if graph is not None else capture(model, seq_len=step * 64, batch_size=batch_size, dtype=dtype)
     with warnings.catch_warnings():             # probes far beyond any answer extrapolate tables

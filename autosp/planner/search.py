@@ -18,12 +18,13 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from autosp.costmodel.live_tensors import largest_live
-from autosp.costmodel.memory import dtype_bytes, layer_saved, mlp_saved, model_states
+from autosp.costmodel.memory import dtype_bytes, hidden_bytes, layer_saved, mlp_saved, model_states
 from autosp.costmodel.phases import FIRST, first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
 from autosp.costmodel.offload import copy_exposed, host_budget, host_optimizer_bytes, host_optimizer_step, offloaded_own
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile, load_profile
-from autosp.decisions import CHECKPOINTS, HOST_OPTIMIZERS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS, LayerChoice, MeshChoice
+from autosp.decisions import (CHECKPOINTS, HOST_OPTIMIZERS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS,
+                              LayerChoice, MeshChoice, mlp_chunk_counts)
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.graph import OpGraph, capture
@@ -89,7 +90,8 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
         # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
         # in its own backward
-        memory_choices = [(k, c, keep) for k in checkpoints for c in mlp_chunks
+        counts = mlp_chunk_counts(mlp_chunks, tokens, hidden_bytes(graph, 1.0) / dtype_bytes(graph.dtype))
+        memory_choices = [(k, c, keep) for k in checkpoints for c in counts
                           for keep in ((True, False) if k == "full" and c > 1 else (True,))]
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)
@@ -246,7 +248,7 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
         raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     dpn = devices_per_node or prof.devices_per_node
-    limit = memory_limit or prof.memory_bytes
+    limit = memory_limit or prof.tensor_memory_bytes
     g = graph if graph is not None else capture(model, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
     if limit == float("inf"):
         limit = float(2 ** 60)           # "no limit": the ILP still needs an (int64-sized) number
