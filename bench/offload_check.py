@@ -117,6 +117,7 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     from autosp.costmodel.profile import load_profile
+    from autosp.costmodel.profiler import outside_allocator_bytes
 
     profile = load_profile("cpu-gloo" if dry else "h200-sxm-measured")
     if dry:     # on CPU host and device share the RAM (no host memory to plan into): a forced offload
@@ -153,6 +154,8 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
             "optimizer_step_s": stepped, "predicted_optimizer_step_s": pred.predicted.get("host_optimizer_step_s", 0.0),
             "host_optimizer": pred.mesh.host_optimizer,
             "offloaded_bytes": copies.get("host_offload", {}).get("bytes", 0),
+            # the CUDA context and NCCL's buffers (one rank): the profiles' runtime_reserved_bytes
+            "outside_allocator_bytes": None if dry else outside_allocator_bytes(device),
             "decisions": [vars(layer.choice) for layer in pred.layers]}
         del sp, model, opt
     return out

@@ -39,6 +39,7 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
     import torch.distributed as dist
 
     import autosp
+    from autosp.costmodel.profiler import outside_allocator_bytes
     from autosp.tools.validation import tiny_model
 
     torch._dynamo.reset()
@@ -76,10 +77,14 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
     row.update(ran=list(sp.state.strategies), compiler=rep["compiler"], world=dist.get_world_size(),
                collectives={k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in rep["collectives"].items()},
                loss_tokens=rep.get("loss_tokens"), dtype=str(next(model.parameters()).dtype),
+               tokens_per_rank=[a["tokens_per_rank"] for a in rep["attention"]],     # observed as the step ran
+               # the CUDA context and the communicators (the profiles' runtime_reserved_bytes); with two
+               # ranks on one GPU, both processes'
+               outside_allocator_bytes=outside_allocator_bytes(dev) if dev.type == "cuda" else None,
                device=str(dev), ok=row["loss_err"] < TOLERANCE and row["grad_err"] < TOLERANCE)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"loss_err": row["loss_err"], "grad_err": row["grad_err"],
-                                      "loss_tokens": row["loss_tokens"]})
+                                      "loss_tokens": row["loss_tokens"], "tokens_per_rank": row["tokens_per_rank"]})
     row["ranks"] = gathered
     return row
 
@@ -113,7 +118,9 @@ def _line(r: dict[str, Any]) -> str:
     colls = ", ".join(f"{k} x{v['calls']}" for k, v in r["collectives"].items())
     return (f"  {r['strategy']:14s} {'ok' if r['ok'] else 'OFF'}: loss {r['loss_err']:.2e}, worst gradient "
             f"{r['grad_err']:.2e} ({r['worst']}; per step {', '.join(f'{e:.1e}' for e in r['grad_err_per_step'])}), "
-            f"step {min(r['step_s']) * 1e3:.1f} ms, ran {r['ran']}, {colls}")
+            f"step {min(r['step_s']) * 1e3:.1f} ms, ran {r['ran']}, {colls}, tokens per rank {r['tokens_per_rank']}"
+            + (f", outside the allocator {r['outside_allocator_bytes'] / 2**30:.2f} GiB"
+               if r.get("outside_allocator_bytes") is not None else ""))
 
 
 def main(out_dir: str, dry: bool, strategies: tuple[str, ...] | None = None) -> dict[str, Any]:

@@ -138,4 +138,6 @@ def test_the_gpu_sharded_step_check_runs_dry_on_cpu(tmp_path):
     assert row["ok"] and row["loss_err"] < res["tolerance"] and row["grad_err"] < res["tolerance"], row
     assert row["ran"] == ["ulysses", "ulysses"] and row["collectives"]["all_to_all"]["calls"] == 16, row
     assert [r["loss_tokens"] for r in row["ranks"]] == [128 - 31, 128 - 1], row["ranks"]
+    # observed as each rank's attention ran: its half of the 256 tokens at both layers
+    assert [r["tokens_per_rank"] for r in row["ranks"]] == [[128, 128]] * 2 and row["outside_allocator_bytes"] is None
     assert "ulysses        ok" in run.stdout

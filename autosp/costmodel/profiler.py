@@ -238,7 +238,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
                    "torch": torch.__version__},
         "memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else _cpu_memory_per_core(),
         # held outside the allocator by now: the CUDA context and the communicators the collectives made
-        **({"runtime_reserved_bytes": _outside_allocator(device)} if cuda else {}),
+        **({"runtime_reserved_bytes": outside_allocator_bytes(device)} if cuda else {}),
         "devices_per_node": torch.cuda.device_count() if cuda else _cores(),
         "op_overhead_s": overhead,
         **({} if cuda else {"threads_per_device": 1}),     # see HardwareProfile.attention_call_time
@@ -256,7 +256,7 @@ def measure(out: str, quick: bool = False, budget_s: float | None = None,
     return doc
 
 
-def _outside_allocator(device: torch.device) -> float:
+def outside_allocator_bytes(device: torch.device) -> float:
     """Device memory this process holds outside PyTorch's allocator (see HardwareProfile.runtime_reserved_bytes)."""
     free, total = torch.cuda.mem_get_info(device)
     return float(total - free - torch.cuda.memory_reserved(device))
