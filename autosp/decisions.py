@@ -38,9 +38,9 @@ LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 def mlp_chunk_counts(allowed: tuple[int, ...], tokens: float, hidden: float) -> tuple[int, ...]:
     """The MLP chunk counts planned at ``tokens`` per rank: ``allowed``, with HIDDEN_SIZED made ALST's own
-    count, ceil(tokens / hidden), where that is more than the others (else left out)."""
+    count, ceil(tokens / hidden), where that is more than the others (else, or with no hidden size, left out)."""
     fixed = tuple(c for c in allowed if c != HIDDEN_SIZED)
-    alst = math.ceil(tokens / hidden)
+    alst = math.ceil(tokens / hidden) if hidden > 0 else 0
     return fixed + ((alst,) if HIDDEN_SIZED in allowed and alst > max(fixed, default=1) else ())
 
 

@@ -423,6 +423,19 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
         ("full", True, True), c
 
 
+def test_the_planner_adds_alsts_mlp_chunk_count_only_where_it_is_more_than_its_own():
+    """ALST's TiledMLP runs ceil(tokens / hidden size) chunks: planned beside the fixed counts where
+    larger (500k tokens per rank of Llama-3-8B: 125), never for small shapes, an explicit choice, or a
+    model whose hidden size the capture does not show."""
+    from autosp.decisions import MLP_CHUNKS, mlp_chunk_counts
+
+    assert mlp_chunk_counts(MLP_CHUNKS, 509_984, 4096) == (1, 8, 32, 125)
+    assert mlp_chunk_counts(MLP_CHUNKS, 128, 256) == (1, 8, 32)
+    assert mlp_chunk_counts((1, 8, 32), 509_984, 4096) == (1, 8, 32)
+    assert mlp_chunk_counts((4,), 509_984, 4096) == (4,)
+    assert mlp_chunk_counts(MLP_CHUNKS, 509_984, 0.0) == (1, 8, 32)
+
+
 def test_the_optimizer_steps_on_the_host_where_the_device_needs_its_memory(llama8b_4k):
     """Llama-3-8B on 8 H100s, ZeRO 3, Inductor: with its optimizer states (11.2 GiB per rank) in host
     memory the longest length is 4,079,872 tokens: the layers recompute their tiled MLP with the layer,
