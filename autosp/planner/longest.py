@@ -100,5 +100,5 @@ def max_seq_len(model: Any, *, world_size: int, batch_size: int = 1, devices_per
         raise AutospError(_infeasible_hint(g, prof, world_size, dpn, zero_stage, step, limit, memory_margin, offloads,
                                            fused, host_optimizers))
     return s, plan(model, seq_len=s, batch_size=batch_size, world_size=world_size, devices_per_node=dpn,
-                   profile=prof, memory_limit=limit, zero_stage=zero_stage, dtype=dtype, graph=g,
+                   profile=prof, memory_limit=memory_limit, zero_stage=zero_stage, dtype=dtype, graph=g,
                    memory_margin=memory_margin, offloads=offloads, compiler=compiler, host_optimizers=host_optimizers)

@@ -102,8 +102,11 @@ def plan_table(plan) -> list:  # -> list of rich renderables
                               f"{pr['exposed_comm_s']:.3f}{copies})")
     mem = pr["memory"]
     kept = f", {plan.memory_margin:.0%} kept free" if plan.memory_margin else ""
+    runtime = pr.get("runtime_reserved_bytes")
+    held = (f" (the device's {human(plan.memory_limit_bytes + runtime, 'B')} less {human(runtime, 'B')} the CUDA "
+            f"context and NCCL hold)") if runtime else ""
     head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
-                                         f"{kept}")
+                                         f"{held}{kept}")
     head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
     if pr.get("compiler"):          # its memory differs: Inductor never writes a bf16 model's fp32 copies
         head.add_row("  costed for", f"the step compiled by {pr['compiler']} (--compiler)")

@@ -290,6 +290,8 @@ def plan(model: Any, *, seq_len: int, batch_size: int = 1, world_size: int = 1, 
                     "solves": len(ranked),
                     "variables": len(cands) + sum(len(o) for c in cands for o in c.options.values())})
     out.predicted["compiler"] = compiler        # what the memory model assumed runs the step
+    if not memory_limit and prof.runtime_reserved_bytes:      # the limit is the device's, less the runtime's
+        out.predicted["runtime_reserved_bytes"] = prof.runtime_reserved_bytes
     if documents:
         out.predicted["documents"] = list(documents)        # what the attention costs assumed
     return out
