@@ -125,6 +125,8 @@ class AutoPlanner:
 
     def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
               documents: tuple[int, ...] = ()) -> Any:
+        from autosp.costmodel.profile import load_profile
+        from autosp.decisions import HIDDEN_SIZED
         from autosp.graph import capture
         from autosp.planner.plan import SCHEMA, Plan, model_fingerprint
         from autosp.planner.search import plan
@@ -134,10 +136,13 @@ class AutoPlanner:
         dtype = str(param.dtype).replace("torch.", "")
         graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
         schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
-        limit = self.memory_limit or device_memory(param.device, world)
+        # on a GPU the device's memory less what the CUDA context and NCCL hold outside the allocator
+        reserved = load_profile(profile).runtime_reserved_bytes if param.device.type == "cuda" else 0.0
+        limit = self.memory_limit or device_memory(param.device, world) - reserved
         # devices per node: the launch's (torchrun sets LOCAL_WORLD_SIZE), else the profile's
         dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
-        modes = "-".join(self.checkpoints) + "-c" + "-".join(map(str, self.mlp_chunks)) + \
+        chunks = ("hidden" if c == HIDDEN_SIZED else str(c) for c in self.mlp_chunks)     # ALST's count: by tokens
+        modes = "-".join(self.checkpoints) + "-c" + "-".join(chunks) + \
             "-l" + "-".join(map(str, self.loss_chunks)) + ("-o" + "-".join(map(str, map(int, self.offloads)))
                                                            if self.offloads != (False,) else "") + \
             ("-h" + "-".join(map(str, map(int, self.host_optimizers))) if self.host_optimizers != (False,) else "")

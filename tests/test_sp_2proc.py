@@ -484,7 +484,7 @@ def test_auto_plan_is_exact_and_cached(pool, tmp_path):
         # keyed by profile, memory budget (MiB), the checkpointing modes and MLP / loss chunks it could
         # choose, and the compiler its memory was costed for: the pool's, which the wrapper passed on
         assert r["plan_layers"] and r["cached"] and "-cpu-gloo-m" in r["cached"][0]
-        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-l1-8-64-256-aot_eager.json"), r["cached"]
+        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-hidden-l1-8-64-256-aot_eager.json"), r["cached"]
         assert r["plan_compiler"] == "aot_eager"
 
 
