@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-node", type=_positive_int, default=None,
                    help="default: the profile's (8 for the GPU profiles)")
     p.add_argument("--profile", default="h100-sxm", help="shipped profile name or a profile JSON path")
-    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the profile's)")
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="GiB per device for the step's tensors (default: the profile's device memory less what "
+                        "the CUDA context and NCCL hold outside the allocator)")
     p.add_argument("--memory-margin", type=float, default=None,
                    help="share of the limit a plan leaves free for the memory model's error (default 0.05)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
