@@ -83,6 +83,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
     cands: list[Candidate] = []
     preds: dict[tuple, dict[str, Prediction]] = {}
     total_layers = sum(lc.count for lc in graph.layer_classes.values())
+    width = hidden_bytes(graph, 1.0) / dtype_bytes(graph.dtype)        # the hidden size, for ALST's MLP chunks
     for sp in _divisors(world):
         if sp_degrees is not None and sp not in sp_degrees:
             continue
@@ -90,8 +91,7 @@ def build_candidates(graph: OpGraph, prof: HardwareProfile, world: int, dpn: int
         tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
         # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
         # in its own backward
-        counts = mlp_chunk_counts(mlp_chunks, tokens, hidden_bytes(graph, 1.0) / dtype_bytes(graph.dtype))
-        memory_choices = [(k, c, keep) for k in checkpoints for c in counts
+        memory_choices = [(k, c, keep) for k in checkpoints for c in mlp_chunk_counts(mlp_chunks, tokens, width)
                           for keep in ((True, False) if k == "full" and c > 1 else (True,))]
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)

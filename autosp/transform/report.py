@@ -1,12 +1,11 @@
 """What autosp did to a model: ``sp.report()``.
 
 Per attention op of the graphs the last step ran (before any step: of every graph compiled): the
-strategy that runs it, the token layout, the heads it sees and the 2-D grid (Ulysses x ring) it uses, the heads and tokens each
-rank holds inside attention and outside it, and the checkpointing of its layer. Per
-step (since the last forward began): the collectives issued on the model's groups,
-by kind, with the bytes this rank sent and the seconds its compute waited on them
-(counted at run time, see :data:`autosp.strategies.collectives.TALLY`), and the
-padding added to the batch.
+strategy that runs it, the token layout, the heads it sees and the 2-D grid (Ulysses x ring) it
+uses, the heads and tokens each rank holds inside attention and outside it, and the checkpointing
+of its layer. Per step (since the last forward began): the collectives issued on the model's
+groups, by kind, with the bytes this rank sent and the seconds its compute waited on them (counted
+at run time, see :data:`autosp.strategies.collectives.TALLY`), and the padding added to the batch.
 """
 
 from __future__ import annotations
