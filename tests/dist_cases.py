@@ -446,6 +446,25 @@ def backend_compare(kind: str = "reference", seq_len: int = 32) -> dict[str, Any
     return {"loss_err": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), "grad_err": grad_err}
 
 
+def float_attribute_changed(compiler: str = "aot_eager", seq_len: int = 32) -> dict[str, Any]:
+    """Python floats are constants of autosp's graphs: a norm's eps changed between steps compiles
+    the graph again (Dynamo guards the value) and the loss follows one process's."""
+    ref = build("llama")
+    sp_model = copy.deepcopy(ref)
+    sp = autosp.compile(sp_model, plan="ulysses", runtime=autosp.Runtime(compiler=compiler))
+    out: dict[str, Any] = {"graphs": [], "loss_err": []}
+    for step, eps in enumerate((1e-6, 1e-6, 0.5)):
+        for m in (ref, sp_model):
+            m.model.layers[0].input_layernorm.variance_epsilon = eps
+        ids, labels = _batch(step, 2, seq_len, False)
+        loss_ref, loss_sp = (m(input_ids=ids, labels=labels).loss for m in (ref, sp))
+        out["loss_err"].append(abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
+        out["graphs"].append(len(sp.state.reports))
+    out["loss_moved"] = abs(loss_ref.item() - build("llama")(input_ids=ids, labels=labels).loss.item())
+    out["compiler"] = sp.report().compiler
+    return out
+
+
 def logits_shapes(kind: str = "llama", seq_len: int = 33) -> dict[str, Any]:
     """What the user gets back as logits: local next to a loss, full otherwise (and exact)."""
     import torch.distributed as dist

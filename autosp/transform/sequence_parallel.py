@@ -41,6 +41,13 @@ from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
 from autosp.transform.report import AttentionRow, SPReport
 
+# What Dynamo may keep constant while every tensor dim is symbolic (dynamic=True). Python ints: HF's
+# logits_to_keep=0 must read as "keep all". Python floats (a norm's eps, rotary scaling, a
+# soft-cap): unspecialized, each becomes a scalar graph input and tracing a 2-layer Llama through
+# AOTAutograd takes about 1.7x as long (bench/compilers.py --trace-options); their values do not change
+# between steps, and a float that did would recompile rather than go wrong.
+TRACE_OPTIONS = {"specialize_int": True, "specialize_float": True}
+
 
 def layout_for(strategies: list[str], layout: str | None) -> str:
     """The global token layout: the one the named strategies need, checked against ``layout``."""
@@ -262,9 +269,8 @@ class SequenceParallel(nn.Module):
         self._deal_tokens(named, padded_len)
         if self._is_hf and "use_cache" in self._signature.parameters and "use_cache" not in named:
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
-        # Python ints stay constants (e.g. HF's logits_to_keep=0 must read as "keep all").
         with unpacked_positions(self._is_hf and "position_ids" not in named), \
-                torch._dynamo.config.patch(specialize_int=True), _own_errors():
+                torch._dynamo.config.patch(**TRACE_OPTIONS), _own_errors():
             out = self._compiled(*bound.args, **bound.kwargs)
         if not self._checked:
             self._checked = True
