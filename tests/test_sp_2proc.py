@@ -589,7 +589,7 @@ def test_compiled_path_through_aot_autograd_is_exact(pool, kind, strategy, compi
 
 
 def test_python_floats_are_constants_of_the_graph_and_a_changed_one_compiles_again(pool):
-    # Traced symbolic, each float (a norm's eps) is a graph input and tracing is ~1.7x slower
+    # Traced symbolic, each float (a norm's eps) is a graph input and compiling takes ~2x as long
     # (bench/compilers.py --trace-options); constant, a changed value must recompile, not run stale.
     res = run_ok(pool, "float_attribute_changed")[0]
     assert res["graphs"] == [1, 1, 2], res          # compiled once, reused, compiled again for eps=0.5

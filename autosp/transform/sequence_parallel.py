@@ -43,9 +43,9 @@ from autosp.transform.report import AttentionRow, SPReport
 
 # What Dynamo may keep constant while every tensor dim is symbolic (dynamic=True). Python ints: HF's
 # logits_to_keep=0 must read as "keep all". Python floats (a norm's eps, rotary scaling, a
-# soft-cap): unspecialized, each becomes a scalar graph input and tracing a 2-layer Llama through
-# AOTAutograd takes about 1.7x as long (bench/compilers.py --trace-options); their values do not change
-# between steps, and a float that did would recompile rather than go wrong.
+# soft-cap): unspecialized, each becomes a scalar graph input and compiling a 2-layer Llama takes
+# about 2x as long (bench/compilers.py --trace-options); their values do not change between steps,
+# and a float that did would compile again rather than go wrong.
 TRACE_OPTIONS = {"specialize_int": True, "specialize_float": True}
 
 
