@@ -23,4 +23,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if COMPILED:
         by = collections.Counter(c for compilers in COMPILED.values() for c in compilers)
         terminalreporter.write_line("multi-process tests by compiler that ran their cases: " + ", ".join(
-            f"{c} {by[c]}" for c in ("aot_eager", "inductor", "eager")) + f" (of {len(COMPILED)} reporting one)")
+            f"{c} {by[c]}" for c in ("aot_eager", "inductor", "eager")) +
+            f" (of {len(COMPILED)} multi-process tests; {sum(not c for c in COMPILED.values())} return no report)")
