@@ -20,8 +20,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     from dist_harness import COMPILED
 
+    from autosp.options import COMPILERS
+
     if COMPILED:
         by = collections.Counter(c for compilers in COMPILED.values() for c in compilers)
         terminalreporter.write_line("multi-process tests by compiler that ran their cases: " + ", ".join(
-            f"{c} {by[c]}" for c in ("aot_eager", "inductor", "eager")) +
+            f"{c} {by[c]}" for c in COMPILERS) +
             f" (of {len(COMPILED)} multi-process tests; {sum(not c for c in COMPILED.values())} return no report)")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from autosp.options import COMPILERS
 from autosp.tools.launch import free_port
 
 
@@ -66,7 +67,7 @@ def _compilers_in(value: Any, depth: int = 0) -> set[str]:
     if depth > 4:
         return set()
     if isinstance(value, dict):
-        found = {value["compiler"]} if value.get("compiler") in ("eager", "aot_eager", "inductor") else set()
+        found = {value["compiler"]} if value.get("compiler") in COMPILERS else set()
         return found.union(*(_compilers_in(v, depth + 1) for v in value.values()))
     if isinstance(value, (list, tuple)):
         return set().union(*(_compilers_in(v, depth + 1) for v in value[:16]))
