@@ -5,7 +5,8 @@ Public API:
                                     wrap a model for SP training (front.py)
     autosp.Auto / Zero / Runtime    the option groups users tune (options.py)
     autosp.Decisions                fixed decisions per layer and per mesh (decisions.py)
-    autosp.plan(model, ...)         choose SP x DP, strategies and checkpointing (planner/)
+    autosp.Problem.of(model, ...)   what is planned: graph, world, profile, budget, ZeRO, search space
+    autosp.plan(problem)            choose SP x DP, strategies and checkpointing (planner/)
     autosp.Plan                     the plan document (save / load / check)
     autosp.load_profile(name)       a hardware profile (costmodel/, profiles/)
     autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
@@ -24,10 +25,11 @@ from autosp.graph import OpGraph, capture
 from autosp.mixed_degree import MixedDegree
 from autosp.options import Auto, Runtime, Zero
 from autosp.planner.plan import Plan
+from autosp.planner.problem import Problem
 from autosp.planner.search import plan
 from autosp.transform.api import SequenceParallel
 from autosp.transform.token_local import token_local
 
-__all__ = ["compile", "Auto", "Zero", "Runtime", "Decisions", "LayerChoice", "MeshChoice", "plan", "Plan",
+__all__ = ["compile", "Auto", "Zero", "Runtime", "Decisions", "LayerChoice", "MeshChoice", "plan", "Plan", "Problem",
            "load_profile", "capture", "OpGraph", "SequenceParallel", "MixedDegree", "AutospError", "token_local", "checkpoint", "data"]
 __version__ = "0.1.0"

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autosp.errors import AutospError
+from autosp.options import Auto
+from autosp.planner.plan import SCHEMA, Plan, model_fingerprint
+from autosp.planner.problem import Problem, SearchSpace
+from autosp.planner.search import plan
 
 
 def machine_profile(device: torch.device) -> str:
@@ -70,39 +76,36 @@ def planner_version() -> str:
     return h.hexdigest()[:8]
 
 
+@dataclass(frozen=True)
 class AutoPlanner:
-    """Called by the SP wrapper at its first forward: ``(module, batch, seq_len, group) -> Plan``."""
+    """Plans at the SP wrapper's first forward of each batch shape:
+    ``(module, batch_size, seq_len, group, documents) -> Plan``, or ``None`` where planning failed
+    and ``fallback`` lets the caller run its default choice (said in a warning).
 
-    def __init__(self, profile: str | None = None, cache: bool = True, fallback: bool = False,
-                 memory_limit: float | None = None, checkpoints: tuple[str, ...] = ("none", "selective", "full"),
-                 overlap: bool = True, mlp_chunks: tuple[int, ...] = (1, 8), loss_chunks: tuple[int, ...] = (1, 8),
-                 zero_stage: int | None = None, offloads: tuple[bool, ...] = (False,),
-                 host_optimizers: tuple[bool, ...] = (False,)):
-        self.profile = profile
-        self.cache = cache
-        self.memory_limit = memory_limit        # bytes per device; None: the device's
-        self.checkpoints = checkpoints
-        self.mlp_chunks = mlp_chunks            # token chunks of a layer's MLP the planner may choose
-        self.loss_chunks = loss_chunks          # ... and of the LM head and loss
-        self.overlap = overlap                  # False: plan only unpipelined strategies
-        self.fallback = fallback      # on a planning failure: warn and let the caller use its default
-        self.cache_path: str | None = None
-        self.zero_stage = zero_stage            # what the runtime applies: its memory is planned for
-        self.offloads = offloads                # whether layers may keep saved tensors in host memory
-        self.host_optimizers = host_optimizers  # whether the optimizer may step in host memory
-        self.compiler: str | None = None        # what runs the step (set by the wrapper): its memory differs
+    ``auto`` is what it may choose (:class:`autosp.options.Auto`: a field given is fixed);
+    ``memory_limit`` bytes per device (``None``: the device's memory less what the runtime holds);
+    ``profile`` a profile name or path (``None``: this machine's); ``compiler`` and ``zero_stage``
+    what the runtime applies (their memory is planned for; :func:`autosp.transform.api.build`
+    gives them where the caller left them out)."""
+
+    auto: Auto = Auto()
+    memory_limit: float | None = None
+    fallback: bool = False
+    profile: str | None = None
+    cache: bool = True
+    compiler: str | None = None
+    zero_stage: int | None = None
+    overlap: bool = True                  # False: plan only unpipelined strategies
 
     def __call__(self, module: nn.Module, batch_size: int, seq_len: int, group: dist.ProcessGroup,
-                 documents: tuple[int, ...] = ()) -> Any:
-        from autosp.planner.plan import Plan
-
+                 documents: tuple[int, ...] = ()) -> Plan | None:
         world = dist.get_world_size(group)
         # (plan JSON, error): every rank learns the outcome, so a failure raises on all of them
         # together instead of leaving the others waiting in a collective
         payload: list[Any] = [(None, None)]
         if dist.get_rank(group) == 0:
             try:
-                payload[0] = (self._plan(module, batch_size, seq_len, world, documents).to_json(), None)
+                payload[0] = (self.plan(module, batch_size, seq_len, world, documents).to_json(), None)
             except Exception as e:  # noqa: BLE001 - reported; the caller falls back or raises
                 payload[0] = (None, (type(e).__name__, str(e)))
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
@@ -119,49 +122,42 @@ class AutoPlanner:
                           "strategy choice instead (only the default memory budget falls back: pass "
                           "memory_limit= to make planning failures errors)", stacklevel=3)
             return None
-        import json
+        return Plan.from_dict(json.loads(plan_json))
 
-        return Plan(**json.loads(plan_json))
-
-    def _plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
-              documents: tuple[int, ...] = ()) -> Any:
-        from autosp.costmodel.profile import load_profile
-        from autosp.decisions import HIDDEN_SIZED
-        from autosp.graph import capture
-        from autosp.planner.plan import SCHEMA, Plan, model_fingerprint
-        from autosp.planner.search import plan
-
+    def problem(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
+                documents: tuple[int, ...] = ()) -> Problem:
+        """What is planned for a batch of ``batch_size`` x ``seq_len`` tokens on ``world`` ranks."""
         param = next(module.parameters())
         profile = self.profile or machine_profile(param.device)
-        dtype = str(param.dtype).replace("torch.", "")
-        graph = capture(module, seq_len=seq_len, batch_size=batch_size, dtype=dtype)
-        schema = SCHEMA.rsplit("/", 1)[-1]          # plans of another schema are never read back
-        # on a GPU the device's memory less what the CUDA context and NCCL hold outside the allocator
-        reserved = load_profile(profile).runtime_reserved_bytes if param.device.type == "cuda" else 0.0
-        limit = self.memory_limit or device_memory(param.device, world) - reserved
         # devices per node: the launch's (torchrun sets LOCAL_WORLD_SIZE), else the profile's
         dpn = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE") else None
-        chunks = ("hidden" if c == HIDDEN_SIZED else str(c) for c in self.mlp_chunks)     # ALST's count: by tokens
-        modes = "-".join(self.checkpoints) + "-c" + "-".join(chunks) + \
-            "-l" + "-".join(map(str, self.loss_chunks)) + ("-o" + "-".join(map(str, map(int, self.offloads)))
-                                                           if self.offloads != (False,) else "") + \
-            ("-h" + "-".join(map(str, map(int, self.host_optimizers))) if self.host_optimizers != (False,) else "")
-        docs = f"-d{hashlib.sha1(str(documents).encode()).hexdigest()[:8]}" if documents else ""
-        key = (f"v{schema}-{planner_version()}-{model_fingerprint(graph)}-w{world}-b{batch_size}-s{seq_len}-{profile}-"
-               f"m{int(limit) >> 20}-z{self.zero_stage}-{modes}{docs}{f'-n{dpn}' if dpn else ''}"
-               f"{'' if self.overlap else '-serial'}-{self.compiler or 'inductor'}.json")
-        path = os.path.join(_cache_dir(), key)
-        self.cache_path = path
+        return Problem.of(module, seq_len=seq_len, batch_size=batch_size, world_size=world, devices_per_node=dpn,
+                          profile=profile, memory_limit=self.memory_limit,
+                          device_memory=device_memory(param.device, world),
+                          zero_stage=self.zero_stage or 0, dtype=str(param.dtype).replace("torch.", ""),
+                          compiler=self.compiler or "inductor", documents=documents,
+                          space=SearchSpace.within(self.auto, sp_degrees=(world,), overlap=self.overlap))
+
+    def plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
+             documents: tuple[int, ...] = ()) -> Plan:
+        """The plan for this batch shape: read back from the cache where this problem was planned
+        before (by this autosp), else planned and cached."""
+        problem = self.problem(module, batch_size, seq_len, world, documents)
+        path = self.cache_path(problem)
         if self.cache and os.path.exists(path):
             return Plan.load(path)
-        p = plan(None, graph=graph, seq_len=seq_len, batch_size=batch_size, world_size=world, profile=profile,
-                 sp_degrees=(world,), checkpoints=self.checkpoints, memory_limit=limit, documents=documents,
-                 devices_per_node=dpn, overlap=self.overlap, mlp_chunks=self.mlp_chunks,
-                 loss_chunks=self.loss_chunks, zero_stage=self.zero_stage or 0, offloads=self.offloads,
-                 compiler=self.compiler or "inductor", host_optimizers=self.host_optimizers)
+        p = plan(problem)
         if self.cache:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             p.save(tmp)
             os.replace(tmp, path)            # atomic: concurrent jobs never read half a file
         return p
+
+    @staticmethod
+    def cache_path(problem: Problem) -> str:
+        """Where the plan of ``problem`` is cached: named by the plan schema, the planner's version and
+        the problem's every field (plans of another schema or planner are never read back)."""
+        schema = SCHEMA.rsplit("/", 1)[-1]
+        return os.path.join(_cache_dir(), f"v{schema}-{planner_version()}-"
+                                          f"{problem.key(model_fingerprint(problem.graph))}.json")

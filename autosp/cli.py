@@ -99,29 +99,31 @@ def _documents(text: str | None) -> tuple[int, ...]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autosp.planner.report import plan_table
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
 
-    limit = args.memory_limit * 2 ** 30 if args.memory_limit else None
-    common = dict(batch_size=args.batch_size, world_size=args.world_size, devices_per_node=args.devices_per_node,
-                  profile=args.profile, memory_limit=limit, zero_stage=args.zero_stage, dtype=args.dtype,
-                  offloads=(False,) if args.no_offload else (False, True), compiler=args.compiler,
-                  host_optimizers=(False,) if args.no_host_optimizer else (False, True),
-                  **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
+    if args.max_seq_len and args.no_overlap:
+        raise AutospError("--no-overlap plans one sequence length; drop it with --max-seq-len, or give "
+                          "--seq-len N instead")
+    if not args.max_seq_len and args.seq_len is None:
+        raise AutospError("give --seq-len N, or --max-seq-len to find the longest that fits")
+    problem = Problem.of(args.model, seq_len=None if args.max_seq_len else args.seq_len, batch_size=args.batch_size,
+                         world_size=args.world_size, devices_per_node=args.devices_per_node, profile=args.profile,
+                         memory_limit=args.memory_limit * 2 ** 30 if args.memory_limit else None,
+                         zero_stage=args.zero_stage, dtype=args.dtype, compiler=args.compiler,
+                         documents=None if args.max_seq_len else _documents(args.documents),
+                         offloads=(False,) if args.no_offload else (False, True),
+                         host_optimizers=(False,) if args.no_host_optimizer else (False, True),
+                         overlap=not args.no_overlap,
+                         **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
         from autosp.planner.longest import max_seq_len
 
-        if args.no_overlap:
-            raise AutospError("--no-overlap plans one sequence length; drop it with --max-seq-len, or give "
-                              "--seq-len N instead")
-
-        longest, p = max_seq_len(args.model, **common)
+        longest, p = max_seq_len(problem)
         if not args.json:
             print(f"longest sequence that fits: {longest} tokens")
     else:
-        if args.seq_len is None:
-            raise AutospError("give --seq-len N, or --max-seq-len to find the longest that fits")
-        p = plan(args.model, seq_len=args.seq_len, documents=_documents(args.documents), overlap=not args.no_overlap,
-                 **common)
+        p = plan(problem)
     if args.html:
         from autosp.planner.html_report import write_html
 

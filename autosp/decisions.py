@@ -4,7 +4,7 @@
                   token chunks of the MLP (and, fully checkpointed, whether the MLP's input is kept),
                   offload of what it keeps to host memory
     MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
-                  ZeRO 3's sharding group, optimizer states on the host
+                  the ZeRO stage and ZeRO 3's sharding group, optimizer states on the host
     Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
                   all) and the MeshChoice
 
@@ -20,8 +20,8 @@ by hand between them, and the spaces the planner searches (``CHECKPOINTS``, ``ML
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from autosp.errors import AutospError
 
@@ -93,19 +93,19 @@ class MeshChoice:
     # Optimizer states and fp32 master weights in host memory, stepped there (each rank its ZeRO share):
     # the device keeps parameters and gradients alone (autosp.transform.host_optimizer)
     host_optimizer: bool = False
+    # The ZeRO stage (0-3) run over the mesh, None: none from autosp. Beside zero_shard, so that the
+    # ZeRO decisions live in one place; the planner plans the stage it is given (it is not searched).
+    zero_stage: int | None = None
 
     def __post_init__(self) -> None:
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3)):
+            raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3 (or None: no ZeRO), got {self.zero_stage!r}")
         if not isinstance(self.host_optimizer, bool):
             raise AutospError(f"host_optimizer must be True or False, got {self.host_optimizer!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise AutospError(f"unknown token layout '{self.layout}'; use one of {', '.join(LAYOUTS)}")
         _positive("loss_chunks", self.loss_chunks)
         _positive("sp_degree", self.sp_degree)
-
-
-def _collapse(values: list[Any]) -> Any:
-    """One value when every layer has the same, else the list (one per layer)."""
-    return values[0] if len(set(values)) == 1 else values
 
 
 @dataclass(frozen=True)
@@ -133,28 +133,23 @@ class Decisions:
         layers = tuple(LayerChoice(**{k: v[i if len(v) > 1 else 0] for k, v in lists.items()}) for i in range(n))
         return cls(layers, mesh)
 
-    def per_layer(self, field: str) -> Any:
-        """One field of the layers' choices: one value for all, or one per layer."""
-        if field not in {f.name for f in fields(LayerChoice)}:
-            raise AutospError(f"a layer choice has no field '{field}'")
-        return _collapse([getattr(c, field) for c in self.layers])
+    def layer(self, index: int) -> LayerChoice:
+        """Layer ``index``'s choice (transformer layers, or attention ops, in execution order): the
+        one rule every stage reads per-layer decisions by. One choice serves every layer; a list
+        has one per layer, and an index past its end is refused, never wrapped or defaulted."""
+        if len(self.layers) == 1:
+            return self.layers[0]
+        if not 0 <= index < len(self.layers):
+            raise AutospError(f"the per-layer decisions have {len(self.layers)} entries but the model has more "
+                              f"layers (layer {index}; a graph break can make one compiled frame serve several); "
+                              "give one decision for every layer, or one for all")
+        return self.layers[index]
 
     @property
-    def strategy(self) -> str | list[str]:
-        return self.per_layer("strategy")
+    def uniform(self) -> bool:
+        """One choice for every layer."""
+        return len(set(self.layers)) == 1
 
-    @property
-    def checkpoint(self) -> str | list[str]:
-        return self.per_layer("checkpoint")
-
-    @property
-    def mlp_chunks(self) -> int | list[int]:
-        return self.per_layer("mlp_chunks")
-
-    @property
-    def offload(self) -> bool | list[bool]:
-        return self.per_layer("offload")
-
-    @property
-    def keep_mlp_input(self) -> bool | list[bool]:
-        return self.per_layer("keep_mlp_input")
+    def any_layer(self, predicate: Callable[[LayerChoice], bool]) -> bool:
+        """Whether some layer's choice satisfies ``predicate``."""
+        return any(predicate(c) for c in self.layers)

@@ -4,16 +4,16 @@
     loss = model(input_ids=ids, labels=ids).loss   # every rank passes the same full batch
     loss.backward()                                # grads == one process's grads
 
-Its arguments become typed values (:mod:`autosp.decisions`, :mod:`autosp.options`) that the
-transform consumes as they are (:func:`autosp.transform.api.build`). The keywords of earlier
-releases (``strategy=``, ``zero_stage=``, ``compiler=``, ...) still work, with a
-``DeprecationWarning`` that names the new spelling.
+Its arguments become typed values (:mod:`autosp.decisions`, :mod:`autosp.options`, a planner
+at the first call: :class:`autosp.autoplan.AutoPlanner`) that the transform consumes as they are
+(:func:`autosp.transform.api.build`).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -25,16 +25,23 @@ from autosp.errors import AutospError
 from autosp.options import Auto, Runtime, Zero, parse_bytes
 from autosp.planner.plan import Plan
 
-# the keywords of earlier releases -> the option group that holds them now
-_OLD = {"strategy": "plan", "layout": "plan", "checkpoint": "plan", "mlp_chunks": "plan", "loss_chunks": "plan",
-        "sp_size": "mesh", "group": "mesh",
-        "zero_stage": "zero", "bucket_mb": "zero", "zero_shard": "zero",
-        "compiler": "runtime", "overlap": "runtime", "gather_outputs": "runtime", "reduce_grads": "runtime"}
+# keywords users may reach for, and where each lives (refused in one line naming the spelling)
+_ELSEWHERE = {"strategy": "plan='ulysses' (or plan=autosp.Decisions.of(strategy=...))",
+              "layout": "plan=autosp.Decisions.of(..., mesh=autosp.MeshChoice(layout=...))",
+              "checkpoint": "plan=autosp.Auto(checkpoint=...) or autosp.Decisions.of(checkpoint=...)",
+              "mlp_chunks": "plan=autosp.Auto(mlp_chunks=...) or autosp.Decisions.of(mlp_chunks=...)",
+              "loss_chunks": "plan=autosp.Auto(loss_chunks=...)",
+              "sp_size": "mesh=<SP degree>", "group": "mesh=<process group>",
+              "zero_stage": "zero=<stage> or zero=autosp.Zero(stage=...)", "bucket_mb": "zero=autosp.Zero(bucket_mb=...)",
+              "zero_shard": "zero=autosp.Zero(shard=...)", "compiler": "runtime=autosp.Runtime(compiler=...)",
+              "overlap": "runtime=autosp.Runtime(overlap=...)",
+              "gather_outputs": "runtime=autosp.Runtime(gather_outputs=...)",
+              "reduce_grads": "runtime=autosp.Runtime(reduce_grads=...)"}
 
 
 def compile(model: nn.Module, plan: Any = "auto", *, mesh: DeviceMesh | dist.ProcessGroup | int | None = None,
             memory_limit: float | str | None = None, zero: Zero | int | None = None,
-            runtime: Runtime | None = None, **deprecated: Any) -> nn.Module:  # noqa: A001 - mirrors torch.compile
+            runtime: Runtime | None = None, **unknown: Any) -> nn.Module:  # noqa: A001 - mirrors torch.compile
     """Wrap ``model`` for sequence-parallel training; it plans and compiles at its first call.
 
     Every rank passes the same full batch; each computes its share of the tokens, the loss it
@@ -54,7 +61,8 @@ def compile(model: nn.Module, plan: Any = "auto", *, mesh: DeviceMesh | dist.Pro
             layer. ``autosp.Decisions.of(strategy=..., checkpoint=..., mlp_chunks=..., layout=...,
             loss_chunks=...)``: every decision fixed
             (one value for all layers or a list with one per layer). A :class:`autosp.Plan` or
-            the path of one (``autosp plan --out``): applied as planned, refused when made for
+            its path (an ``os.PathLike``, or a string ending in ``.json``; ``autosp plan --out``):
+            applied as planned, refused when made for
             another model, world size or sequence length. A callable ``(module, batch_size, seq_len,
             group, documents=()) -> Plan`` (e.g. :class:`autosp.autoplan.AutoPlanner` with a profile
             of one's own) plans at the first call.
@@ -72,18 +80,20 @@ def compile(model: nn.Module, plan: Any = "auto", *, mesh: DeviceMesh | dist.Pro
             SP group inside the graphs).
         runtime: :class:`autosp.Runtime`: the graph compiler, overlap of collectives with compute,
             whether outputs are gathered, who reduces gradients.
-        **deprecated: the keywords of earlier releases (``strategy``, ``layout``, ``checkpoint``,
-            ``mlp_chunks``, ``loss_chunks``, ``sp_size``, ``group``, ``zero_stage``, ``bucket_mb``,
-            ``zero_shard``, ``compiler``, ``overlap``, ``gather_outputs``, ``reduce_grads``); each
-            warns once with its new spelling.
+
+        **unknown: refused in one line; a keyword that lives in an option group (``strategy``,
+            ``zero_stage``, ``compiler``, ...) is named with its spelling there.
 
     Returns:
         A :class:`autosp.SequenceParallel` module wrapping ``model`` (``.module``), with
         ``.report()``, ``.optimizer(cls, **kw)`` and ``.no_sync()``; or ``model`` itself when
         ``torch.distributed`` is not initialised.
     """
-    if deprecated:
-        plan, mesh, zero, runtime = _translate(deprecated, plan, mesh, zero, runtime)
+    if unknown:
+        where = "; ".join(f"{k}: {_ELSEWHERE[k]}" for k in unknown if k in _ELSEWHERE)
+        raise AutospError(f"autosp.compile() takes no {', '.join(f'{k}=' for k in unknown)}; its options are plan, "
+                          f"mesh, memory_limit, zero and runtime" + (f" ({where})" if where else
+                                                                     " (see help(autosp.compile))"))
     limit = parse_bytes(memory_limit)
     zero = zero if isinstance(zero, Zero) else Zero(stage=zero)
     runtime = runtime if runtime is not None else Runtime()
@@ -99,7 +109,9 @@ def compile(model: nn.Module, plan: Any = "auto", *, mesh: DeviceMesh | dist.Pro
 def _wrap(model: nn.Module, plan: Any, mesh: Any, limit: float | None, zero: Zero, runtime: Runtime) -> nn.Module:
     from autosp.transform.api import build  # noqa: PLC0415 - torch-heavy, loaded on use
 
-    if isinstance(plan, str) and plan != "auto" and (plan.endswith(".json") or os.path.exists(plan)):
+    # a saved plan: a path object, or a name that says it is one (never a strategy that happens to
+    # share its name with a file in the working directory)
+    if isinstance(plan, os.PathLike) or (isinstance(plan, str) and plan.endswith(".json")):
         plan = Plan.load(plan)
     if plan == "auto" or isinstance(plan, Auto):
         return _planned(model, Auto() if plan == "auto" else plan, mesh, limit, zero, runtime,
@@ -110,7 +122,12 @@ def _wrap(model: nn.Module, plan: Any, mesh: Any, limit: float | None, zero: Zer
     if isinstance(plan, Plan):
         return build(model, Decisions(), mesh=mesh, zero=zero, runtime=runtime, plan=plan)
     if callable(plan) and not isinstance(plan, Decisions):     # a planner of one's own, e.g. AutoPlanner(profile=...)
-        return build(model, Decisions(), mesh=mesh, zero=zero, runtime=runtime, provider=plan)
+        from autosp.autoplan import AutoPlanner
+        from autosp.transform.backend import check_compiler, default_compiler
+
+        if isinstance(plan, AutoPlanner) and plan.compiler is None:       # it plans for what will run the step
+            plan = replace(plan, compiler=check_compiler(runtime.compiler or default_compiler()))
+        return build(model, Decisions(), mesh=mesh, zero=zero, runtime=runtime, provider=plan, may_step_on_host=True)
     if isinstance(plan, str) or (isinstance(plan, (list, tuple)) and plan and all(isinstance(x, str) for x in plan)):
         plan = Decisions.of(strategy=plan if isinstance(plan, str) else list(plan))   # one per layer
     if not isinstance(plan, Decisions):
@@ -121,76 +138,21 @@ def _wrap(model: nn.Module, plan: Any, mesh: Any, limit: float | None, zero: Zer
 
 def _planned(model: nn.Module, auto: Auto, mesh: Any, limit: float | None, zero: Zero, runtime: Runtime,
              fallback: bool) -> nn.Module:
-    """The planner runs at the first call, for that batch (:mod:`autosp.autoplan`); until then the
-    default choice ("auto" per attention op) is configured, and kept where a default budget fails."""
+    """The planner runs at the first call of each batch shape (:mod:`autosp.autoplan`), for the
+    compiler and ZeRO stage that will run the step; until then the default choice ("auto" per
+    attention op) is configured, and kept where a default budget fails."""
     from autosp.autoplan import AutoPlanner
     from autosp.transform.api import build  # noqa: PLC0415 - torch-heavy, loaded on use
+    from autosp.transform.backend import check_compiler, default_compiler
 
-    provider = AutoPlanner(fallback=fallback, memory_limit=limit, checkpoints=auto.checkpoints,
-                           overlap=runtime.overlap, mlp_chunks=auto.mlp_chunk_choices,
-                           loss_chunks=auto.loss_chunk_choices, zero_stage=zero.stage,
-                           offloads=auto.offload_choices, host_optimizers=auto.host_optimizer_choices)
+    compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler())
+    provider = AutoPlanner(auto=auto, memory_limit=limit, fallback=fallback, overlap=runtime.overlap,
+                           zero_stage=zero.stage, compiler=compiler)
     fixed = Decisions.of(checkpoint=auto.checkpoint or "none", mlp_chunks=auto.mlp_chunks or 1,
                          mesh=MeshChoice(loss_chunks=auto.loss_chunks or 1, host_optimizer=bool(auto.host_optimizer)),
                          offload=bool(auto.offload))
-    return build(model, fixed, mesh=mesh, zero=zero, runtime=runtime, provider=provider)
-
-
-def _translate(old: dict[str, Any], plan: Any, mesh: Any, zero: Any, runtime: Any) -> tuple[Any, Any, Any, Any]:
-    """The keywords of earlier releases in the typed options, with one warning naming the new spelling."""
-    unknown = sorted(set(old) - set(_OLD))
-    if unknown:
-        raise AutospError(f"autosp.compile() got unknown keyword(s) {', '.join(unknown)}; its options are plan, mesh, "
-                          "memory_limit, zero and runtime (see help(autosp.compile))")
-    clash = sorted({_OLD[k] for k in old} & {name for name, v in (("mesh", mesh), ("zero", zero),
-                                                                    ("runtime", runtime)) if v is not None})
-    if clash:
-        raise AutospError(f"give {', '.join(clash)} in the new spelling or the old keywords, not both")
-    new: list[str] = []
-    strategy = old.get("strategy", "auto")
-    fixed = {k: old[k] for k in ("checkpoint", "mlp_chunks", "loss_chunks", "layout") if k in old}
-    if "strategy" in old or fixed:
-        if plan != "auto" and "strategy" in old and strategy != "auto":
-            raise AutospError("strategy= and plan= both choose the strategy: pass plan= alone")
-        if plan != "auto":
-            fixed.pop("layout", None)          # a plan sets the layout (as before: the caller's was ignored)
-            if fixed:
-                raise AutospError(f"{', '.join(fixed)} with a saved plan: the plan holds these decisions; "
-                                  "re-plan, or give plan=autosp.Decisions.of(...)")
-        elif strategy == "auto":
-            lists = [k for k in ("checkpoint", "mlp_chunks") if k in fixed and not isinstance(fixed[k], (str, int))]
-            if lists:
-                raise AutospError(f"per-layer {', '.join(lists)} fix every layer: give the strategy too, "
-                                  "plan=autosp.Decisions.of(strategy=..., ...)")
-            fixed.pop("layout", None)          # the planner chooses the layout
-            auto = {k: v for k, v in fixed.items() if not (k == "checkpoint" and v == "none")
-                    and not (k in ("mlp_chunks", "loss_chunks") and v == 1)}
-            plan = Auto(**auto) if auto else "auto"
-            new.append(f"plan=autosp.Auto({', '.join(f'{k}={v!r}' for k, v in auto.items())})")
-        else:
-            mesh_choice = MeshChoice(layout=fixed.pop("layout", None), loss_chunks=fixed.pop("loss_chunks", 1))
-            plan = Decisions.of(strategy=strategy, mesh=mesh_choice, **fixed)
-            new.append("plan=autosp.Decisions.of(strategy=..., checkpoint=..., mlp_chunks=..., layout=..., "
-                       "loss_chunks=...)" if fixed or "layout" in old or "loss_chunks" in old
-                       else f"plan={strategy!r}")
-    if "sp_size" in old or "group" in old:
-        if "sp_size" in old and "group" in old:
-            raise AutospError("give sp_size or group, not both (mesh= takes either)")
-        if mesh is not None:
-            raise AutospError("give a mesh, or sp_size / group, not both (the mesh's 'sp' dimension is the SP group)")
-        mesh = old.get("group", old.get("sp_size"))
-        new.append("mesh=<group or SP degree>")
-    zero_kw = {k.replace("zero_", ""): old[k] for k in ("zero_stage", "bucket_mb", "zero_shard") if k in old}
-    if zero_kw:
-        zero = Zero(**zero_kw)
-        new.append(f"zero=autosp.Zero({', '.join(f'{k}={v!r}' for k, v in zero_kw.items())})")
-    run_kw = {k: old[k] for k in ("compiler", "overlap", "gather_outputs", "reduce_grads") if k in old}
-    if run_kw:
-        runtime = Runtime(**run_kw)
-        new.append(f"runtime=autosp.Runtime({', '.join(f'{k}={v!r}' for k, v in run_kw.items())})")
-    warnings.warn(f"autosp.compile({', '.join(f'{k}=' for k in old)}) is the old spelling; use "
-                  f"{', '.join(new)}", DeprecationWarning, stacklevel=3)
-    return plan, mesh, zero, runtime
+    return build(model, fixed, mesh=mesh, zero=zero, runtime=replace(runtime, compiler=compiler), provider=provider,
+                 may_step_on_host=True in auto.host_optimizer_choices)
 
 
 __all__ = ["compile"]

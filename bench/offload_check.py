@@ -138,20 +138,17 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
         opt = sp.optimizer(torch.optim.AdamW, lr=1e-5)
         _step(sp, ids, opt, dry)                          # compiles; the optimizer's states exist after it
         seconds, peak, host, stepped = _step(sp, ids, opt, dry)
-        pred = autosp.plan(None, graph=graph, seq_len=tokens, world_size=1, profile=profile, memory_limit=float("inf"),
-                           checkpoints=("full",), mlp_chunks=(chunks,),
-                           loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."),
-                           compiler=compiler, host_optimizers=(offload,))
+        pred = autosp.plan(autosp.Problem.of(graph=graph, seq_len=tokens, world_size=1, profile=profile, memory_limit=float("inf"), checkpoints=("full",), mlp_chunks=(chunks,), loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."), compiler=compiler, host_optimizers=(offload,)))
         copies = sp.report().as_dict()["collectives"]
-        states = pred.predicted.get("host_optimizer_bytes", 0.0)
+        states = pred.predicted.host_optimizer_bytes
         out["offload" if offload else "kept"] = {
-            "step_s": seconds, "predicted_step_s": pred.predicted["total_s"],
+            "step_s": seconds, "predicted_step_s": pred.predicted.total_s,
             # the probe (dry) sees the step's new tensors only: not the parameters and optimizer states
-            "peak_bytes": peak, "predicted_peak_bytes": pred.predicted["peak_bytes"] - (
-                pred.predicted["memory"]["parameters"] + pred.predicted["memory"]["optimizer"] if dry else 0.0),
-            "host_peak_bytes": host, "predicted_host_bytes": pred.predicted.get("host_bytes", 0.0) - states,
+            "peak_bytes": peak, "predicted_peak_bytes": pred.predicted.peak_bytes - (
+                pred.predicted.memory.parameters + pred.predicted.memory.optimizer if dry else 0.0),
+            "host_peak_bytes": host, "predicted_host_bytes": pred.predicted.host_bytes - states,
             "optimizer_host_bytes": _host_states(opt), "predicted_optimizer_host_bytes": states,
-            "optimizer_step_s": stepped, "predicted_optimizer_step_s": pred.predicted.get("host_optimizer_step_s", 0.0),
+            "optimizer_step_s": stepped, "predicted_optimizer_step_s": pred.predicted.host_optimizer_step_s,
             "host_optimizer": pred.mesh.host_optimizer,
             "offloaded_bytes": copies.get("host_offload", {}).get("bytes", 0),
             # the CUDA context and NCCL's buffers (one rank): the profiles' runtime_reserved_bytes

@@ -231,6 +231,7 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str
     in-run-barrier prediction); and the planner's choice within each family."""
     from autosp.costmodel.predict import predict
     from autosp.costmodel.profile import load_profile
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
 
     prof = load_profile("cpu-gloo")
@@ -253,8 +254,7 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str
                      p_now.attention_exposed_bwd_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
-        best = plan(None, graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
-                    checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world)
+        best = plan(Problem.of(graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,), checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world))
         chosen[family] = best.layers[0].choice.strategy
     return out, chosen
 

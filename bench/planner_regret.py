@@ -116,24 +116,23 @@ def measure(cases: list[tuple], repeats: int, compiler: str | None = None, probe
 def planned(world: int, seq: int, heads: int, kv: int, hidden: int, cap_mib: float | None = None) -> str:
     from autosp.graph import capture
     from autosp.graph.catalog import ModelSource
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
     from autosp.strategies import resolve
 
     g = capture(ModelSource(f"tiny-h{heads}-kv{kv}-d{hidden}", hf_config=config(heads, kv, hidden)), seq_len=seq,
                 dtype="float32")
     if cap_mib is None:
-        p = plan(None, graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
-                 checkpoints=("none",), memory_limit=float("inf"), devices_per_node=world)   # as the launch says
+        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,), checkpoints=("none",), memory_limit=float("inf"), devices_per_node=world))   # as the launch says
     else:
-        p = plan(None, graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
-                 memory_limit=cap_mib * 2**20, devices_per_node=world, strategies=tuple(CAPPED_STRATEGIES))
+        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,), memory_limit=cap_mib * 2**20, devices_per_node=world, strategies=tuple(CAPPED_STRATEGIES)))
     layer = p.layers[0]
     spec = layer.choice.strategy
     # the plan's token layout is part of the pick (all-gather-KV may be planned on zigzag)
     own = resolve(spec).layout or "contiguous"
-    spec = spec if p.layout == own else f"{spec}@{p.layout}"
+    spec = spec if p.mesh.layout == own else f"{spec}@{p.mesh.layout}"
     if cap_mib is not None:
-        spec += f"+{layer.choice.checkpoint}/{layer.choice.mlp_chunks}/{p.loss_chunks}"
+        spec += f"+{layer.choice.checkpoint}/{layer.choice.mlp_chunks}/{p.mesh.loss_chunks}"
     return spec
 
 

@@ -125,7 +125,7 @@ def run_autosp(seq_len: int, repeats: int, config: dict) -> dict:
     plan = getattr(sp, "plan", None)
     chosen = "" if plan is None else "; ".join(
         f"{c.strategy}, {c.checkpoint}, MLP x{c.mlp_chunks}" for c in (layer.choice for layer in plan.layers)) \
-        + f", loss x{plan.loss_chunks}"
+        + f", loss x{plan.mesh.loss_chunks}"
     return dict(step_s=seconds, peak=peak, loss=loss, plan=chosen, first_s=first_s)
 
 

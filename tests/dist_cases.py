@@ -373,15 +373,14 @@ def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
     import torch.distributed as dist
 
     from autosp.graph import capture
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
 
     from autosp.transform.backend import default_compiler
 
     world = dist.get_world_size()
     graph = capture(build("llama"), seq_len=seq_len, batch_size=2, dtype="float32")
-    peak = {k: plan(None, graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo",
-                    sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler(),
-                    memory_limit=float("inf")).predicted["peak_bytes"]
+    peak = {k: plan(Problem.of(graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo", sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler(), memory_limit=float("inf"))).predicted.peak_bytes
             for k in ("none", "full")}
     limit = (peak["none"] + peak["full"]) / 2
     import os
@@ -567,7 +566,7 @@ def auto_plan_compare(kind: str = "llama", cache_dir: str = "", **cfg: Any) -> d
     files = os.listdir(os.path.join(cache_dir, "autosp", "plans"))
     out["cached"] = files
     # the compiler the plan's memory was costed for: the one the wrapper runs (Inductor fuses)
-    out["plan_compiler"] = autosp.Plan.load(os.path.join(cache_dir, "autosp", "plans", files[0])).predicted["compiler"]
+    out["plan_compiler"] = autosp.Plan.load(os.path.join(cache_dir, "autosp", "plans", files[0])).predicted.compiler
     return out
 
 
@@ -581,8 +580,7 @@ def toy_strategy_compare(seq_len: int = 32) -> dict[str, Any]:
     register(toy_strategy.ToyAllGatherAllReduce)         # idempotent: the pool may have run this before
     forced = train_compare("llama", seq_len=seq_len, steps=2, strategy=toy_strategy.FAMILY, heads=4, kv=2)
     world = dist.get_world_size()
-    p = autosp.plan(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2, world_size=world,
-                    profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,))
+    p = autosp.plan(autosp.Problem.of(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,)))
     planned = train_compare("llama", seq_len=seq_len, steps=2, plan=p, heads=4, kv=2)
     return {"forced": forced, "planned": planned, "plan_strategies": [layer.choice.strategy for layer in p.layers]}
 
@@ -754,7 +752,7 @@ def dp_sp_compare(kind: str = "llama", zero_stage: int | None = 0, strategy: str
                                    world, zero_stage)
         out["predicted_state_bytes"] = sum(states_pred.values())
     out["fsdp_units"] = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
-    out["plan"] = None if sp.plan is None else {"zero_stage": sp.plan.zero_stage, "layers": sp.plan.layers}
+    out["plan"] = None if sp.plan is None else {"zero_stage": sp.plan.mesh.zero_stage, "layers": sp.plan.layers}
     out["compiler"] = sp.config.compiler
     out["sp_rows"] = dist.get_world_size(sp.mesh.sp), dist.get_world_size(sp.mesh.whole)
     return out

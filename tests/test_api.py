@@ -55,42 +55,26 @@ def test_compile_is_one_function_with_few_parameters_each_documented():
     params = inspect.signature(autosp.compile).parameters
     assert len(params) <= 8, list(params)
     doc = autosp.compile.__doc__
-    assert "Args:" in doc and all(f"    {name}:" in doc for name in params if name != "deprecated")
+    assert "Args:" in doc and all(f"    {name}:" in doc for name in params if name != "unknown")
 
 
-def _translated(monkeypatch, **old):
-    """What the front door hands the transform for the old keywords (no process group: the
-    arguments are checked and typed, then the model comes back whole)."""
-    import autosp.transform.api as api
-
-    seen = {}
-
-    def build(model, decisions, **kw):
-        seen.update(decisions=decisions, **kw)
-        return model
-
-    monkeypatch.setattr(api, "build", build)
-    with pytest.warns(DeprecationWarning) as caught:
-        autosp.compile(torch.nn.Linear(2, 2), **old)
-    return seen, str(caught[0].message)
-
-
-def test_old_keywords_keep_working_and_name_the_new_spelling(monkeypatch):
-    seen, msg = _translated(monkeypatch, strategy="ring", checkpoint="full", layout="zigzag", loss_chunks=4,
-                            zero_stage=1, bucket_mb=5, compiler="eager", overlap=False, sp_size=2)
-    assert seen["decisions"] == autosp.Decisions.of(strategy="ring", checkpoint="full",
-                                                    mesh=autosp.MeshChoice(layout="zigzag", loss_chunks=4))
-    assert seen["zero"] == autosp.Zero(stage=1, bucket_mb=5) and seen["mesh"] == 2
-    assert seen["runtime"] == autosp.Runtime(compiler="eager", overlap=False)
-    assert "zero=autosp.Zero(stage=1, bucket_mb=5)" in msg and "runtime=autosp.Runtime(compiler='eager'" in msg
-    # the planner with checkpointing fixed: the planner is told, and plans around it
-    seen, msg = _translated(monkeypatch, checkpoint="selective", mlp_chunks=8)
-    assert seen["provider"].checkpoints == ("selective",) and seen["provider"].mlp_chunks == (8,)
-    assert seen["decisions"].checkpoint == "selective" and "plan=autosp.Auto(checkpoint='selective'" in msg
-    with pytest.raises(AutospError, match="unknown keyword.*strateg; its options are plan, mesh"):
+def test_keywords_of_no_release_are_refused_naming_where_they_live(tmp_path, monkeypatch):
+    """No deprecation layer: a keyword that belongs to an option group is refused in one line that
+    names its spelling; an unknown one names the options. A strategy name is never read as a file."""
+    with pytest.raises(AutospError, match=r"takes no strategy=, zero_stage=.*strategy: plan='ulysses'.*"
+                                          r"zero_stage: zero=<stage>"):
+        autosp.compile(torch.nn.Linear(2, 2), strategy="ring", zero_stage=1)
+    with pytest.raises(AutospError, match=r"takes no strateg=; its options are plan, mesh, memory_limit, zero and "
+                                          r"runtime \(see help"):
         autosp.compile(torch.nn.Linear(2, 2), strateg="ring")
-    with pytest.raises(AutospError, match="not both"):
-        autosp.compile(torch.nn.Linear(2, 2), zero=1, zero_stage=1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ring").write_text("not a plan")
+    with pytest.warns(UserWarning, match="not initialised"):
+        assert isinstance(autosp.compile(torch.nn.Linear(2, 2), plan="ring"), torch.nn.Linear)
+    with pytest.raises(AutospError, match="plan file missing.json does not exist"):
+        autosp.compile(torch.nn.Linear(2, 2), plan="missing.json")
+    with pytest.raises(AutospError, match="plan file .*ring is not valid JSON"):
+        autosp.compile(torch.nn.Linear(2, 2), plan=tmp_path / "ring")
 
 
 def test_option_groups_check_their_fields_where_they_are_made():
@@ -113,12 +97,20 @@ def test_option_groups_check_their_fields_where_they_are_made():
         autosp.compile(torch.nn.Linear(2, 2), plan="ulysses", memory_limit="1GiB")
 
 
-def test_decisions_collapse_per_layer_only_where_layers_differ():
+def test_per_layer_decisions_are_read_by_one_rule():
+    """``Decisions.layer(i)``: one choice serves every layer; a list has one per layer, and an
+    index past its end is refused (never wrapped around or defaulted)."""
     same = autosp.Decisions.of(strategy=["ulysses", "ulysses"], checkpoint="full")
-    assert same.strategy == "ulysses" and same.checkpoint == "full" and len(same.layers) == 2
+    assert same.uniform and len(same.layers) == 2
+    assert same.layer(1) == autosp.LayerChoice("ulysses", "full")
     mixed = autosp.Decisions.of(strategy=["ulysses", "ring"], mlp_chunks=[1, 8])
-    assert mixed.strategy == ["ulysses", "ring"] and mixed.mlp_chunks == [1, 8] and mixed.checkpoint == "none"
-    assert mixed.layers[1] == autosp.LayerChoice("ring", "none", 8)
+    assert not mixed.uniform and mixed.any_layer(lambda c: c.mlp_chunks > 1)
+    assert [mixed.layer(i) for i in (0, 1)] == [autosp.LayerChoice("ulysses"), autosp.LayerChoice("ring", "none", 8)]
+    with pytest.raises(AutospError, match="per-layer decisions have 2 entries but the model has more layers "
+                                          r"\(layer 2"):
+        mixed.layer(2)
+    one = autosp.Decisions.of(strategy="ring")
+    assert one.layer(0) == one.layer(99) == autosp.LayerChoice("ring")
 
 
 def test_the_backend_is_found_by_its_entry_point_without_importing_autosp_first():
@@ -160,7 +152,7 @@ def test_the_tokens_observed_at_an_attention_op_are_recorded_by_every_compiler()
     Each compiler runs it at every call, at the length of that call (one graph, dynamic shapes)."""
     import torch
 
-    from autosp.transform.observe import ATTENTION_TOKENS, observe_tokens
+    from autosp.transform.observe import new_step, observe_tokens, observed
 
     def f(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         observe_tokens(q, 2, 7, "probe")
@@ -170,8 +162,8 @@ def test_the_tokens_observed_at_an_attention_op_are_recorded_by_every_compiler()
         torch._dynamo.reset()
         g = torch.compile(f, backend=backend, dynamic=True)
         for tokens in (8, 24):
-            ATTENTION_TOKENS.clear()
+            new_step("probe")
             q = torch.randn(1, 2, tokens, 4, requires_grad=True)
             g(q, torch.randn(4, 3, requires_grad=True)).backward()
-            assert ATTENTION_TOKENS == {("probe", 7): tokens}, (backend, tokens)
-    ATTENTION_TOKENS.clear()
+            assert observed("probe").attention_tokens == {7: tokens}, (backend, tokens)
+    new_step("probe")

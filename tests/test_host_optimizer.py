@@ -3,9 +3,12 @@ parameters as the wrapped optimizer on the device, schedulers, checkpoints, low-
 ZeRO 3 shards over gloo ranks: tests/test_sp_2proc.py (offload) and test_sp_4proc.py (resume)."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
+
+import autosp
 
 from autosp.transform.host_optimizer import MASTER, HostOptimizer
 
@@ -126,6 +129,7 @@ def test_the_first_calls_planner_steps_the_optimizer_on_the_host_where_only_that
     from autosp.autoplan import AutoPlanner
     from autosp.costmodel.profile import load_profile
     from autosp.errors import AutospError
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
 
     data = dict(load_profile("cpu-gloo").data)
@@ -139,35 +143,36 @@ def test_the_first_calls_planner_steps_the_optimizer_on_the_host_where_only_that
     fixed = dict(checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,), offloads=(False,))
     kw = dict(seq_len=256, world_size=2, profile=str(path), dtype="float32", sp_degrees=(2,),
               memory_limit=float(2 ** 40), **fixed)
-    on_device = plan(model, host_optimizers=(False,), **kw).predicted
-    states = on_device["memory"]["optimizer"]
+    on_device = plan(Problem.of(model, host_optimizers=(False,), **kw)).predicted
+    states = on_device.memory.optimizer
     assert states > 0
-    limit = (on_device["peak_bytes"] - states / 2) / 0.95         # between the two, with the 5% margin
-    planner = AutoPlanner(profile=str(path), cache=False, memory_limit=limit, host_optimizers=(False, True),
-                          checkpoints=fixed["checkpoints"], mlp_chunks=fixed["mlp_chunks"],
-                          loss_chunks=fixed["loss_chunks"])
-    chosen = planner._plan(model, 1, 256, 2)
-    assert chosen.mesh.host_optimizer and chosen.predicted["memory"]["optimizer"] == 0
-    assert chosen.predicted["peak_bytes"] == pytest.approx(on_device["peak_bytes"] - states)
-    assert chosen.predicted["host_optimizer_bytes"] == pytest.approx(1.5 * states)     # fp32: + the masters
-    planner.host_optimizers = (False,)        # what fits instead is named (here offload, tried first)
+    limit = (on_device.peak_bytes - states / 2) / 0.95         # between the two, with the 5% margin
+    planner = AutoPlanner(autosp.Auto(checkpoint="none", mlp_chunks=1, loss_chunks=1, host_optimizer=None),
+                          profile=str(path), cache=False, memory_limit=limit)
+    chosen = planner.plan(model, 1, 256, 2)
+    assert chosen.mesh.host_optimizer and chosen.predicted.memory.optimizer == 0
+    assert chosen.predicted.peak_bytes == pytest.approx(on_device.peak_bytes - states)
+    assert chosen.predicted.host_optimizer_bytes == pytest.approx(1.5 * states)     # fp32: + the masters
+    # allowed only the device, what fits instead is named (here offload, tried first)
+    on_the_device = replace(planner, auto=replace(planner.auto, host_optimizer=False))
     with pytest.raises(AutospError, match="without offload, the optimizer on the device; offloading"):
-        planner._plan(model, 1, 256, 2)
+        on_the_device.plan(model, 1, 256, 2)
 
 
 def test_a_plan_told_to_use_the_host_on_a_profile_without_one_is_refused():
     """cpu-gloo has no host memory apart from the device's: asked for the optimizer (or the
     checkpoints) there, the planner says so instead of planning without them."""
     from autosp.errors import AutospError
+    from autosp.planner.problem import Problem
     from autosp.planner.search import plan
 
     kw = dict(seq_len=256, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,))
     with pytest.raises(AutospError, match="the optimizer in host memory was asked for, but profile cpu-gloo has no "
                                           "host memory.*autosp.Auto.host_optimizer=None"):
-        plan("tiny", host_optimizers=(True,), **kw)
+        plan(Problem.of("tiny", host_optimizers=(True,), **kw))
     with pytest.raises(AutospError, match="offloading checkpoints was asked for.*Decisions.of.offload=True"):
-        plan("tiny", offloads=(True,), **kw)
-    assert not plan("tiny", **kw).mesh.host_optimizer
+        plan(Problem.of("tiny", offloads=(True,), **kw))
+    assert not plan(Problem.of("tiny", **kw)).mesh.host_optimizer
 
 
 def test_a_plan_with_the_optimizer_on_the_host_warns_where_the_caller_made_their_own():

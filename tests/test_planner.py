@@ -11,6 +11,7 @@ from autosp.errors import AutospError
 from autosp.graph import capture
 from autosp.planner.ilp import Candidate, Option, enumerate_all, integer_objective, solve
 from autosp.planner.plan import Plan
+from autosp.planner.problem import Problem
 from autosp.planner.search import plan
 
 
@@ -81,27 +82,26 @@ def llama8b_4k():
 
 def test_heads_that_do_not_divide_get_ring_or_hybrid(tiny6):
     # SP degree 4 with 6 heads: a plan, not an error, and never Ulysses over all 4 ranks.
-    p = plan(None, graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm",
-             sp_degrees=(4,))
-    assert p.sp_degree == 4
+    p = plan(Problem.of(graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,)))
+    assert p.mesh.sp_degree == 4
     allowed = {"ring", "zigzag_ring", "allgather_kv", "allgather_kv:overlap", "hybrid:2x2"}
     assert {layer.choice.strategy for layer in p.layers} <= allowed
     for alt in p.alternatives:
-        assert {c["strategy"] for c in alt["layers"].values()} <= allowed
+        assert {x.choice.strategy for x in alt.layers} <= allowed
 
 
 def test_nothing_fits_says_what_would(tiny6):
     with pytest.raises(AutospError, match="no plan fits .*(smallest|longest|ZeRO stage)"):
-        plan(None, graph=tiny6, seq_len=4096, world_size=1, profile="h100-sxm", memory_limit=2 ** 20)
+        plan(Problem.of(graph=tiny6, seq_len=4096, world_size=1, profile="h100-sxm", memory_limit=2 ** 20))
 
 
 def test_plan_file_roundtrip_and_refusals(tiny6, tmp_path):
-    p = plan(None, graph=tiny6, seq_len=4096, world_size=4, profile="h100-sxm")
+    p = plan(Problem.of(graph=tiny6, seq_len=4096, world_size=4, profile="h100-sxm"))
     path = tmp_path / "plan.json"
     p.save(str(path))
     q = Plan.load(str(path))
-    assert q == p and sum(layer.count for layer in q.layers) == len(q.strategy_per_layer()) == 2
-    assert all(layer.ulysses_degree * layer.ring_degree == q.sp_degree for layer in q.layers)
+    assert q == p and sum(layer.count for layer in q.layers) == len(q.per_layer()) == 2
+    assert all(layer.ulysses_degree * layer.ring_degree == q.mesh.sp_degree for layer in q.layers)
     q.check(fingerprint=p.fingerprint, world_size=4, seq_len=4096)
     with pytest.raises(AutospError, match="for 4 devices but the job runs on 8"):
         q.check(world_size=8)
@@ -128,8 +128,8 @@ def test_cli_plan_json(capsys, tmp_path):
     assert "compiled by aot_eager" in capsys.readouterr().out
     from autosp.planner.longest import max_seq_len
 
-    for call in (lambda: plan("tiny", seq_len=8192, world_size=4, compiler="tvm"),
-                 lambda: max_seq_len("tiny", world_size=4, compiler="tvm")):      # before any search
+    for call in (lambda: plan(Problem.of("tiny", seq_len=8192, world_size=4, compiler="tvm")),
+                 lambda: max_seq_len(Problem.of("tiny", world_size=4, compiler="tvm"))):      # before any search
         with pytest.raises(AutospError, match="unknown compiler 'tvm'"):
             call()
 
@@ -179,8 +179,8 @@ def test_the_planner_plans_the_models_the_transform_runs(kind):
     if kind in ("mixtral", "qwen2_moe"):                   # experts' grouped matmuls carry their FLOPs
         grouped = [op for op in g.nodes(phase="fwd", kind=OpKind.MATMUL) if "grouped_mm" in op.target]
         assert len(grouped) == 4 and all(op.flops != 0 for op in grouped)
-    p = plan(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g)
-    assert p.sp_degree == 2 and p.decisions().strategy.split(":")[0] in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
+    p = plan(Problem.of(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g))
+    assert p.mesh.sp_degree == 2 and p.decisions().layer(0).strategy.split(":")[0] in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
 
 
 def test_auto_plan_takes_devices_per_node_from_the_launch(monkeypatch, tmp_path):
@@ -188,9 +188,9 @@ def test_auto_plan_takes_devices_per_node_from_the_launch(monkeypatch, tmp_path)
 
     model = _hf("mistral")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")            # torchrun --nproc-per-node 1 on each of 2 nodes
-    one = AutoPlanner(cache=False, memory_limit=float(2 ** 40))._plan(model, 1, 64, 2)
+    one = AutoPlanner(cache=False, memory_limit=float(2 ** 40)).plan(model, 1, 64, 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    default = AutoPlanner(cache=False, memory_limit=float(2 ** 40))._plan(model, 1, 64, 2)
+    default = AutoPlanner(cache=False, memory_limit=float(2 ** 40)).plan(model, 1, 64, 2)
     assert one.devices_per_node == 1 and default.devices_per_node == 2     # cpu-gloo: 2 per node
 
 
@@ -201,15 +201,15 @@ def test_the_ilp_pipelines_ulysses_where_it_hides_communication():
     g = capture("llama3-8b", seq_len=65536)
     kw = dict(graph=g, seq_len=65536, world_size=8, profile="h100-sxm", sp_degrees=(8,), checkpoints=("selective",), zero_stage=3,
               strategies=("ulysses",))
-    piped, plain = plan(None, **kw), plan(None, overlap=False, **kw)
+    piped, plain = plan(Problem.of(**kw)), plan(Problem.of(overlap=False, **kw))
     (layer,), (plain_layer,) = piped.layers, plain.layers
     assert layer.choice.strategy.startswith("ulysses:c") and layer.overlap.endswith("head groups pipelined"), layer
     assert plain_layer.choice.strategy == "ulysses" and plain_layer.overlap == "none"
     # a third less: the hidden transfers still cost the attention beside them its slowdown (the
     # profile's concurrency, measured on an H200: a collective's kernel takes SMs and HBM bandwidth)
     assert layer.exposed_comm_s < 0.7 * plain_layer.exposed_comm_s
-    assert piped.predicted["total_s"] < plain.predicted["total_s"]
-    assert all(a["layers"][layer.fingerprint]["strategy"] == "ulysses" for a in plain.alternatives)
+    assert piped.predicted.total_s < plain.predicted.total_s
+    assert all(x.choice.strategy == "ulysses" for a in plain.alternatives for x in a.layers)
 
 
 def test_a_tight_memory_limit_makes_the_ilp_tile_the_mlps_where_that_is_cheapest():
@@ -225,13 +225,13 @@ def test_a_tight_memory_limit_makes_the_ilp_tile_the_mlps_where_that_is_cheapest
                                    attn_implementation="sdpa")
     g = capture(transformers.AutoModelForCausalLM.from_config(cfg), seq_len=1024, dtype="float32")
     kw = dict(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32", memory_limit=250 * 2**20)
-    free = plan(None, **{**kw, "memory_limit": float("inf")})
-    tiled = plan(None, **kw)
-    untiled = plan(None, **kw, mlp_chunks=(1,))
+    free = plan(Problem.of(**{**kw, "memory_limit": float("inf")}))
+    tiled = plan(Problem.of(**kw))
+    untiled = plan(Problem.of(**kw, mlp_chunks=(1,)))
     assert all(layer.choice.mlp_chunks == 1 for layer in free.layers)              # no limit: nothing to save
     assert all(layer.choice.mlp_chunks > 1 for layer in tiled.layers), tiled.layers
-    assert tiled.predicted["peak_bytes"] <= 250 * 2**20 < free.predicted["peak_bytes"]
-    assert untiled.predicted["total_s"] > tiled.predicted["total_s"]
+    assert tiled.predicted.peak_bytes <= 250 * 2**20 < free.predicted.peak_bytes
+    assert untiled.predicted.total_s > tiled.predicted.total_s
     # Per layer, tiling drops what the compiled partitioner saves of the MLP: gate, up and their
     # product (the activation it recomputes), 3 x tokens x intermediate x 4 bytes at 8192 tokens
     # per rank (eagerly the activation too: 4 x); its input stays saved (the chunks read it).
@@ -264,19 +264,19 @@ def test_plans_leave_the_memory_margin_free_and_say_so():
     unconstrained plan: with no margin that plan is taken, with the default a smaller one."""
     g = _bench_llama_graph()
     kw = dict(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32")
-    free = plan(None, **kw, memory_limit=float("inf"))
-    limit = 1.02 * free.predicted["peak_bytes"]
-    edge = plan(None, **kw, memory_limit=limit, memory_margin=0.0)
-    kept = plan(None, **kw, memory_limit=limit)
-    assert edge.layers == free.layers and edge.predicted["peak_bytes"] > 0.95 * limit
-    assert kept.predicted["peak_bytes"] <= 0.95 * limit
-    assert kept.layers != free.layers or kept.loss_chunks != free.loss_chunks
+    free = plan(Problem.of(**kw, memory_limit=float("inf")))
+    limit = 1.02 * free.predicted.peak_bytes
+    edge = plan(Problem.of(**kw, memory_limit=limit, memory_margin=0.0))
+    kept = plan(Problem.of(**kw, memory_limit=limit))
+    assert edge.layers == free.layers and edge.predicted.peak_bytes > 0.95 * limit
+    assert kept.predicted.peak_bytes <= 0.95 * limit
+    assert kept.layers != free.layers or kept.mesh.loss_chunks != free.mesh.loss_chunks
     assert (kept.memory_margin, kept.memory_limit_bytes) == (0.05, limit)
     from autosp.planner.report import plan_table
 
     assert "5% kept free" in _text(plan_table(kept))
     with pytest.raises(AutospError, match="memory margin must be at least 0 and below 1"):
-        plan(None, **kw, memory_limit=limit, memory_margin=1.0)
+        plan(Problem.of(**kw, memory_limit=limit, memory_margin=1.0))
 
 
 def test_ulysses_is_planned_on_the_contiguous_layout():
@@ -290,10 +290,9 @@ def test_ulysses_is_planned_on_the_contiguous_layout():
     g = _bench_llama_graph()
     prof = load_profile("cpu-gloo")
     for mib in (200, 160):
-        p = plan(None, graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32",
-                 memory_limit=mib * 2**20)
+        p = plan(Problem.of(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32", memory_limit=mib * 2**20))
         # Ulysses, pipelined in head groups or not (the measured best at 16k on 2 ranks: 2 groups)
-        assert p.layout == "contiguous" and {layer.choice.strategy.split(":")[0] for layer in p.layers} == {"ulysses"}, \
+        assert p.mesh.layout == "contiguous" and {layer.choice.strategy.split(":")[0] for layer in p.layers} == {"ulysses"}, \
             (mib, p.layers)
     flat, zig = (predict(g, prof, sp=2, strategy="ulysses", layout=lay, seq_len=16384)
                  for lay in ("contiguous", "zigzag"))
@@ -308,17 +307,17 @@ def test_the_demo_plan_fits_and_the_first_layers_phase_ignores_later_untraced_la
     capture: 2 of 32 layers traced). The first layer's backward holds no later layer's
     activations, so the untraced layers must not count there (they once made nothing fit)."""
     g = llama8b_4k
-    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3, offloads=(False,))
-    assert p.sp_degree == 8 and p.predicted["peak_bytes"] <= 80e9, p.predicted
+    p = plan(Problem.of(graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3, offloads=(False,)))
+    assert p.mesh.sp_degree == 8 and p.predicted.peak_bytes <= 80e9, p.predicted
     assert {layer.choice.checkpoint for layer in p.layers} == {"selective"}, p.layers
     # Offload allowed, keeping everything (no recompute) on the host costs less: each layer's 2.3 GB
     # copy (46 ms at 50 GB/s) hides behind its 135 ms forward and its backward.
-    off = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
+    off = plan(Problem.of(graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3))
     assert {(layer.choice.checkpoint, layer.choice.offload) for layer in off.layers} == {("none", True)}, off.layers
-    assert off.predicted["total_s"] < p.predicted["total_s"] and off.predicted["exposed_copy_s"] < 1e-3
+    assert off.predicted.total_s < p.predicted.total_s and off.predicted.exposed_copy_s < 1e-3
     # on the host: each of the 32 layers' saved bytes (2.28 GB) and what its strategy keeps beside them
     # (all-gather-KV: about the gathered K and V, 8 KV heads x 128 x 131072 tokens x 2 bytes each)
-    assert off.predicted["host_bytes"] == pytest.approx(32 * (2.2839296e9 + 2 * 8 * 128 * 131072 * 2), rel=0.03)
+    assert off.predicted.host_bytes == pytest.approx(32 * (2.2839296e9 + 2 * 8 * 128 * 131072 * 2), rel=0.03)
 
 
 def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not(llama8b_4k):
@@ -327,21 +326,21 @@ def test_zero_3_shards_per_node_where_it_fits_and_over_every_rank_where_not(llam
     Llama-3-70B's 16 bytes per parameter over 8 devices (140 GB) do not fit, so it shards over all 64."""
     small = llama8b_4k
     kw = dict(seq_len=131072, world_size=64, devices_per_node=8, profile="h100-sxm", zero_stage=3)
-    hsdp = plan(None, graph=small, **kw)
-    flat = plan(None, graph=small, zero_shard=0, **kw)
-    assert hsdp.zero_shard == 8 and flat.zero_shard == 0
-    assert hsdp.predicted["total_s"] < flat.predicted["total_s"]
-    assert hsdp.predicted["memory"]["parameters"] == pytest.approx(8 * flat.predicted["memory"]["parameters"])
+    hsdp = plan(Problem.of(graph=small, **kw))
+    flat = plan(Problem.of(graph=small, zero_shard=0, **kw))
+    assert hsdp.mesh.zero_shard == 8 and flat.mesh.zero_shard == 0
+    assert hsdp.predicted.total_s < flat.predicted.total_s
+    assert hsdp.predicted.memory.parameters == pytest.approx(8 * flat.predicted.memory.parameters)
     large = capture("llama3-70b", seq_len=4096)
-    big = plan(None, graph=large, **kw)
-    assert big.zero_shard == 0
+    big = plan(Problem.of(graph=large, **kw))
+    assert big.mesh.zero_shard == 0
     with pytest.raises(AutospError, match="no plan fits.*the optimizer on the device; stepping the optimizer on "
                                           "the host fits"):
-        plan(None, graph=large, zero_shard=8, host_optimizers=(False,), **kw)
+        plan(Problem.of(graph=large, zero_shard=8, host_optimizers=(False,), **kw))
     # its optimizer states (12 of the 16 bytes) in host memory, sharded per node fits: 17.5 GB on the host
-    hosted = plan(None, graph=large, zero_shard=8, **kw)
-    assert hosted.mesh.host_optimizer and hosted.predicted["memory"]["optimizer"] == 0
-    assert hosted.predicted["host_optimizer_bytes"] == pytest.approx(large.total_params * 12 / 8)
+    hosted = plan(Problem.of(graph=large, zero_shard=8, **kw))
+    assert hosted.mesh.host_optimizer and hosted.predicted.memory.optimizer == 0
+    assert hosted.predicted.host_optimizer_bytes == pytest.approx(large.total_params * 12 / 8)
 
 
 def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behind_layers():
@@ -355,18 +354,17 @@ def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behi
 
     g = capture("llama3-70b", seq_len=4096)
     kw = dict(seq_len=131072, devices_per_node=8, zero_stage=3)
-    p = plan(None, graph=g, profile="h100-sxm", checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,),
-             sp_degrees=(64,), world_size=64, **kw)
+    p = plan(Problem.of(graph=g, profile="h100-sxm", checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,), sp_degrees=(64,), world_size=64, **kw))
     (layer,) = p.layers
     prof = load_profile("h100-sxm")
-    again = predict(g, prof, sp=64, strategy=layer.choice.strategy, layout=p.layout, dp=1, zero_shard=p.zero_shard, **kw)
-    assert p.predicted["total_s"] == pytest.approx(again.total_s, rel=1e-9)
-    assert p.predicted["exposed_comm_s"] == pytest.approx(again.exposed_comm_s, rel=1e-9)
+    again = predict(g, prof, sp=64, strategy=layer.choice.strategy, layout=p.mesh.layout, dp=1, zero_shard=p.mesh.zero_shard, **kw)
+    assert p.predicted.total_s == pytest.approx(again.total_s, rel=1e-9)
+    assert p.predicted.exposed_comm_s == pytest.approx(again.exposed_comm_s, rel=1e-9)
     assert layer.exposed_comm_s == pytest.approx(again.attention_exposed_s, rel=1e-9)     # SP's own
     shape = AttentionShape(heads=64, kv_heads=8, head_dim=128, seq_len=131072, causal=True)
     for layout in ("contiguous", "zigzag"):
         for st in candidates(SPMesh(64, layout, 8), shape, None):
-            other = predict(g, prof, sp=64, strategy=st, layout=layout, dp=1, zero_shard=p.zero_shard, **kw)
+            other = predict(g, prof, sp=64, strategy=st, layout=layout, dp=1, zero_shard=p.mesh.zero_shard, **kw)
             fits = other.peak_bytes <= p.memory_limit_bytes * (1 - p.memory_margin)
             assert not fits or other.total_s >= again.total_s * (1 - 1e-9), (st.spec, layout, other.total_s)
 
@@ -381,15 +379,15 @@ def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, w
 
     g = capture(model, seq_len=4096)
     kw = dict(graph=g, world_size=world, profile="h100-sxm", zero_stage=3, devices_per_node=8)
-    tokens, p = max_seq_len(None, **kw)
+    tokens, p = max_seq_len(Problem.of(**kw))
     assert p.seq_len == tokens > 0 and {layer.choice.checkpoint for layer in p.layers} == {"full"}
     with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, seq_len=tokens + 2 * world, **kw)
+        plan(Problem.of(seq_len=tokens + 2 * world, **kw))
     # What the plan says bounds it is full: the device's budget at its peaking phase, or the host's.
-    bound = p.predicted["bound_by"]
-    assert bound["bytes"] == p.predicted["peak_bytes"] and "backward" in bound["phase"] or "loss" in bound["phase"]
-    device = bound["bytes"] / (p.memory_limit_bytes * (1 - p.memory_margin))
-    host = bound["host_bytes"] / bound["host_budget"]
+    bound = p.predicted.bound_by
+    assert bound.bytes == p.predicted.peak_bytes and "backward" in bound.phase or "loss" in bound.phase
+    device = bound.bytes / (p.memory_limit_bytes * (1 - p.memory_margin))
+    host = bound.host_bytes / bound.host_budget
     assert max(device, host) > 0.99 and device <= 1 and host <= 1, bound
 
 
@@ -407,19 +405,19 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
 
     g, n = llama8b_4k, 3_623_952
     kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8, host_optimizers=(False,))
-    p = plan(None, seq_len=n, **kw)
+    p = plan(Problem.of(seq_len=n, **kw))
     c = p.layers[0].choice
-    assert p.predicted["compiler"] == "inductor" and (c.checkpoint, c.offload, c.keep_mlp_input) == ("full", True, True)
-    assert p.predicted["bound_by"]["host_bytes"] / p.predicted["bound_by"]["host_budget"] > 0.99
+    assert p.predicted.compiler == "inductor" and (c.checkpoint, c.offload, c.keep_mlp_input) == ("full", True, True)
+    assert p.predicted.bound_by.host_bytes / p.predicted.bound_by.host_budget > 0.99
     with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, seq_len=n + 16, **kw)
+        plan(Problem.of(seq_len=n + 16, **kw))
     peaks = {fused: step_peak(g, load_profile("h100-sxm"), sp=8, strategy=c.strategy, seq_len=n, checkpoint="full",
                               mlp_chunks=c.mlp_chunks, loss_chunks=p.mesh.loss_chunks, offload=True, fused=fused)
              for fused in (True, False)}
     assert peaks[True] < peaks[False] - hidden_bytes(g, n / 8), peaks
-    longer = plan(None, seq_len=n + 16, compiler="aot_eager", **kw)
+    longer = plan(Problem.of(seq_len=n + 16, compiler="aot_eager", **kw))
     c = longer.layers[0].choice
-    assert longer.predicted["compiler"] == "aot_eager" and (c.checkpoint, c.offload, c.mlp_with_layer) == \
+    assert longer.predicted.compiler == "aot_eager" and (c.checkpoint, c.offload, c.mlp_with_layer) == \
         ("full", True, True), c
 
 
@@ -447,23 +445,23 @@ def test_the_optimizer_steps_on_the_host_where_the_device_needs_its_memory(llama
     device (its host step only costs time)."""
     g, n = llama8b_4k, 4_079_872
     kw = dict(graph=g, world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8)
-    p = plan(None, seq_len=n, **kw)
+    p = plan(Problem.of(seq_len=n, **kw))
     c = p.layers[0].choice
     assert p.mesh.host_optimizer and (c.checkpoint, c.offload, c.mlp_with_layer) == ("full", True, True), p.mesh
     assert c.mlp_chunks == math.ceil(n / 8 / 4096) == 125, c
     assert p.memory_limit_bytes == pytest.approx(79.10 * 2 ** 30 - 4.34e9, rel=1e-9)
-    assert p.predicted["runtime_reserved_bytes"] == 4.34e9           # the report says what the limit left out
-    assert p.predicted["memory"]["optimizer"] == 0
-    assert p.predicted["host_optimizer_bytes"] == pytest.approx(g.total_params * 12 / 8)
-    assert 0 < p.predicted["host_optimizer_step_s"] < 0.001 * p.predicted["total_s"]
-    assert p.predicted["host_bytes"] > p.predicted["host_optimizer_bytes"]      # the checkpoints beside them
+    assert p.predicted.runtime_reserved_bytes == 4.34e9           # the report says what the limit left out
+    assert p.predicted.memory.optimizer == 0
+    assert p.predicted.host_optimizer_bytes == pytest.approx(g.total_params * 12 / 8)
+    assert 0 < p.predicted.host_optimizer_step_s < 0.001 * p.predicted.total_s
+    assert p.predicted.host_bytes > p.predicted.host_optimizer_bytes      # the checkpoints beside them
     with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, seq_len=n + 16, **kw)
+        plan(Problem.of(seq_len=n + 16, **kw))
     with pytest.raises(AutospError, match="no plan fits"):
-        plan(None, seq_len=n, mlp_chunks=(1, 8, 32), **kw)
+        plan(Problem.of(seq_len=n, mlp_chunks=(1, 8, 32), **kw))
     with pytest.raises(AutospError, match="the optimizer on the device; stepping the optimizer on the host fits"):
-        plan(None, seq_len=n, host_optimizers=(False,), **kw)
-    assert not plan(None, seq_len=131072, **kw).mesh.host_optimizer
+        plan(Problem.of(seq_len=n, host_optimizers=(False,), **kw))
+    assert not plan(Problem.of(seq_len=131072, **kw)).mesh.host_optimizer
 
 
 def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_layer(llama8b_4k):
@@ -476,18 +474,18 @@ def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_la
     from autosp.costmodel.profile import load_profile
     from autosp.decisions import LayerChoice
     from autosp.planner.ilp import peak_bytes
-    from autosp.planner.search import build_candidates
+    from autosp.planner.candidates import build_candidates
 
     g = llama8b_4k
     kw = dict(world_size=8, profile="h100-sxm", zero_stage=3, devices_per_node=8, offloads=(False,))
-    p = plan(None, graph=g, seq_len=1_200_000, **kw)
+    p = plan(Problem.of(graph=g, seq_len=1_200_000, **kw))
     c = p.layers[0].choice
     assert (c.checkpoint, c.mlp_chunks > 1, c.keep_mlp_input, c.offload) == ("full", True, False, False), c
     tokens = 1_200_000 / 8
     assert [next(iter(layer_saved(g, tokens, "full", 8, keep).values())) for keep in (False, True)] == \
         [hidden_bytes(g, tokens), 2 * hidden_bytes(g, tokens)]
     # The same decisions with the MLP's input kept are over the budget.
-    cands, _ = build_candidates(g, load_profile("h100-sxm"), 8, 8, 3, 1_200_000, offloads=(False,))
+    cands = build_candidates(Problem.of(graph=g, seq_len=1_200_000, **kw))
     cand = next(x for x in cands if x.key == p.mesh)
     fp = p.layers[0].fingerprint
     assert peak_bytes(cand, {fp: c}) <= p.memory_limit_bytes * (1 - p.memory_margin)
@@ -501,11 +499,11 @@ def test_a_length_that_needs_offload_says_so_in_one_line_when_offload_was_left_o
     g = llama8b_4k
     kw = dict(graph=g, seq_len=2_000_000, world_size=8, profile="h100-sxm", zero_stage=3)
     with pytest.raises(AutospError) as refused:
-        plan(None, offloads=(False,), **kw)
+        plan(Problem.of(offloads=(False,), **kw))
     msg = str(refused.value)
     assert "\n" not in msg and "without offload" in msg and "offloading checkpoints to host memory fits" in msg, msg
     assert "--no-offload" in msg and "devices" not in msg.split(";")[1], msg
-    assert any(layer.choice.offload for layer in plan(None, **kw).layers)
+    assert any(layer.choice.offload for layer in plan(Problem.of(**kw)).layers)
 
 
 def test_the_plan_names_the_largest_tensors_alive_at_the_peak(llama8b_4k):
@@ -513,11 +511,11 @@ def test_the_plan_names_the_largest_tensors_alive_at_the_peak(llama8b_4k):
     tokens each, and the step's peak (before tiling) is the loss's fp32 [tokens, 128,256] logits;
     then the MLPs' [tokens, 14,336] intermediates."""
     g = llama8b_4k
-    p = plan(None, graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3)
-    top = p.predicted["largest_live"]
-    assert [t["bytes"] for t in top] == sorted((t["bytes"] for t in top), reverse=True)
-    assert top[0]["shape"] == [16384, 128256] and top[0]["bytes"] == 16384 * 128256 * 4 and top[0]["layer"] is None
-    assert any(t["shape"] == [16384, 14336] and t["layer"] is not None for t in top), top
+    p = plan(Problem.of(graph=g, seq_len=131072, world_size=8, profile="h100-sxm", zero_stage=3))
+    top = p.predicted.largest_live
+    assert [t.bytes for t in top] == sorted((t.bytes for t in top), reverse=True)
+    assert top[0].shape == (16384, 128256) and top[0].bytes == 16384 * 128256 * 4 and top[0].layer is None
+    assert any(t.shape == (16384, 14336) and t.layer is not None for t in top), top
 
 
 def test_a_plan_file_of_the_previous_schema_is_read_as_typed_decisions(tmp_path):
@@ -533,11 +531,11 @@ def test_a_plan_file_of_the_previous_schema_is_read_as_typed_decisions(tmp_path)
     p = Plan.load(str(path))
     from autosp.decisions import LayerChoice, MeshChoice
 
-    assert p.mesh == MeshChoice(4, "zigzag", 8, 0) and p.sp_degree == 4 and p.loss_chunks == 8
+    assert p.mesh == MeshChoice(4, "zigzag", 8, 0, zero_stage=3) and p.mesh.sp_degree == 4 and p.mesh.loss_chunks == 8
     assert p.layers[0].choice == LayerChoice("zigzag_ring", "selective", 8) and p.layers[0].ring_degree == 4
-    assert p.decisions().strategy == "zigzag_ring" and len(p.per_layer()) == 32
+    assert p.decisions().layer(0).strategy == "zigzag_ring" and len(p.per_layer()) == 32
     p.save(str(tmp_path / "new.json"))
-    assert json.loads((tmp_path / "new.json").read_text())["schema"] == "autosp.plan/3"
+    assert json.loads((tmp_path / "new.json").read_text())["schema"] == "autosp.plan/4"
     assert Plan.load(str(tmp_path / "new.json")) == p
 
 
@@ -554,7 +552,7 @@ def test_attention_written_by_hand_is_planned_with_the_strategies_that_can_run_i
         g = capture(build(kind), seq_len=256, dtype="float32")
         a = g.first_attention()
         assert a.written and a.score_saved == 4.0 and a.positional == (kind == "handwritten_tril"), a
-        p = plan(None, graph=g, seq_len=256, world_size=2, profile="cpu-gloo", memory_limit=float("inf"))
+        p = plan(Problem.of(graph=g, seq_len=256, world_size=2, profile="cpu-gloo", memory_limit=float("inf")))
         assert {layer.choice.strategy for layer in p.layers} <= (
             {"ulysses"} if a.positional else {"ulysses", "allgather_kv", "ring"}), p.layers
         ulysses = predict(g, prof, sp=2, strategy="ulysses", seq_len=256)
@@ -575,12 +573,10 @@ def test_the_planner_deals_chunks_from_the_documents_where_that_pays(tiny6):
     from autosp.strategies.ring_costs import blockwise_kernel_calls
 
     docs = (1024,) * 8 + (24576,)
-    p = plan(None, graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
-             sp_degrees=(4,), documents=docs)
+    p = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,), documents=docs))
     assert p.mesh.layout == "balanced", p.mesh
-    assert any(a["layout"] == "zigzag" and a["total_s"] > p.predicted["total_s"] for a in p.alternatives)
-    plain = plan(None, graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
-                 sp_degrees=(4,))
+    assert any(a.mesh.layout == "zigzag" and a.total_s > p.predicted.total_s for a in p.alternatives)
+    plain = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,)))
     assert plain.mesh.layout == "zigzag"
     shape = AttentionShape(heads=6, kv_heads=2, head_dim=16, seq_len=32768, causal=True, masked=True, documents=docs)
     tiles = {lay: [calls[0].count for calls in blockwise_kernel_calls(shape, SPMesh(4, lay), 6, 4)]

@@ -1,7 +1,6 @@
 """The strategy registry is real: a strategy added from a test reaches compile's checks, the
 cost model and the planner; the built-in ones declare what the cost model charges."""
 
-from dataclasses import asdict
 
 import pytest
 
@@ -38,18 +37,16 @@ def test_registered_strategy_is_costed_from_its_own_declaration(toy, tiny):
 def test_planner_chooses_among_registered_strategies(toy, tiny):
     shape = AttentionShape(heads=8, kv_heads=4)
     assert toy in {s.spec for s in candidates(SPMesh(2), shape)}
-    p = autosp.plan(None, graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,),
-                    strategies=(toy,))
+    p = autosp.plan(autosp.Problem.of(graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,), strategies=(toy,)))
     assert [layer.choice.strategy for layer in p.layers] == [toy]
     # Runner-ups come from the solver (no-good cuts): other layouts, checkpointing, tiling and offload, each once.
-    assert p.solver["solves"] == len(p.alternatives) + 1 >= 2
-    assert all(c["strategy"] == toy for a in p.alternatives for c in a["layers"].values())
-    seen = {(a["layout"], a["loss_chunks"]) + tuple((c["strategy"], c["checkpoint"], c["mlp_chunks"], c["offload"])
-                                                    for c in a["layers"].values())
-            for a in [{"layout": p.layout, "loss_chunks": p.loss_chunks,
-                       "layers": {x.fingerprint: asdict(x.choice) for x in p.layers}}] + p.alternatives}
+    assert p.solver.solves == len(p.alternatives) + 1 >= 2
+    assert all(x.choice.strategy == toy for a in p.alternatives for x in a.layers)
+    seen = {(a.mesh.layout, a.mesh.loss_chunks) + tuple((x.choice.strategy, x.choice.checkpoint, x.choice.mlp_chunks,
+                                                         x.choice.offload) for x in a.layers)
+            for a in (p.summary(), *p.alternatives)}
     assert len(seen) == len(p.alternatives) + 1
-    assert all(a["total_s"] >= p.predicted["total_s"] for a in p.alternatives)
+    assert all(a.total_s >= p.predicted.total_s for a in p.alternatives)
 
 
 def test_unknown_strategies_are_refused_with_the_registered_names(toy):

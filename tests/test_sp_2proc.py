@@ -560,7 +560,7 @@ def test_partial_gradients_refuse_parameters_a_graph_break_left_eager(pool):
 
 def test_per_layer_strategies_that_a_graph_break_cannot_honour_are_refused(pool):
     msgs = run_ok(pool, "expect_error", kind="reference_break", strategy=["ulysses", "ring"])
-    assert "2 per-layer strategies" in msgs[0] and "graph break" in msgs[0], msgs[0]
+    assert "2 per-layer decisions" in msgs[0] and "graph break" in msgs[0], msgs[0]
 
 
 def test_what_is_exact_but_not_expected_is_said_once(pool):

@@ -46,7 +46,7 @@ def main(out_dir: str) -> None:
 
     rank = dist.get_rank()
     profile = two_node_profile(os.path.join(out_dir, f"profile-{rank}.json"))
-    planner = AutoPlanner(profile=profile, cache=False, checkpoints=("none",))
+    planner = AutoPlanner(autosp.Auto(checkpoint="none"), profile=profile, cache=False)
     res = dist_cases.train_compare("llama", steps=2, plan=planner, heads=4, kv=2)
     sp_groups = res.pop("runtime")
     nodes: list = [None] * dist.get_world_size()

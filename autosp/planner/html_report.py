@@ -12,7 +12,7 @@ import html
 import io
 from dataclasses import asdict
 
-from autosp.planner.plan import Plan
+from autosp.planner.plan import Plan, RunnerUp
 from autosp.planner.report import human, layer_choices
 
 
@@ -22,9 +22,9 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _label(a: dict) -> str:
-    choices = " | ".join(f"{c['strategy']} ck:{c['checkpoint'][:3]}" for c in a["layers"].values())
-    return f"SP{a['sp']} {a['layout'][:3]} {choices}"
+def _label(a: RunnerUp) -> str:
+    choices = " | ".join(f"{x.choice.strategy} ck:{x.choice.checkpoint[:3]}" for x in a.layers)
+    return f"SP{a.mesh.sp_degree} {a.mesh.layout[:3]} {choices}"
 
 
 def figures(plan: Plan) -> list[tuple[str, str]]:
@@ -33,17 +33,14 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pr = plan.predicted
-    chosen = {"sp": plan.sp_degree, "layout": plan.layout, "total_s": pr["total_s"], "peak_bytes": pr["peak_bytes"],
-              "compute_s": pr["compute_s"], "exposed_comm_s": pr["exposed_comm_s"],
-              "layers": {layer.fingerprint: asdict(layer.choice) for layer in plan.layers}}
-    rows = [chosen] + plan.alternatives
+    chosen = plan.summary()
+    rows = [chosen, *plan.alternatives]
     out = []
 
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(rows)))
     names = [("* " if i == 0 else "") + _label(r) for i, r in enumerate(rows)]
-    ax.barh(names, [r["compute_s"] for r in rows], label="compute")
-    ax.barh(names, [r["exposed_comm_s"] for r in rows], left=[r["compute_s"] for r in rows],
+    ax.barh(names, [r.compute_s for r in rows], label="compute")
+    ax.barh(names, [r.exposed_comm_s for r in rows], left=[r.compute_s for r in rows],
             label="exposed communication")
     ax.invert_yaxis()
     ax.set_xlabel("predicted step time (s)")
@@ -51,7 +48,7 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
     out.append(("Step time: chosen plan (*) and runner-ups", _png(fig)))
     plt.close(fig)
 
-    mem = pr["memory"]
+    mem = asdict(plan.predicted.memory)
     fig, ax = plt.subplots(figsize=(8, 1.8))
     left = 0.0
     for k in ("parameters", "optimizer", "gradients", "activations", "workspace"):
@@ -65,8 +62,8 @@ def figures(plan: Plan) -> list[tuple[str, str]]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([r["peak_bytes"] / 2 ** 30 for r in rows[1:]], [r["total_s"] for r in rows[1:]], label="runner-ups")
-    ax.scatter([chosen["peak_bytes"] / 2 ** 30], [chosen["total_s"]], marker="*", s=200, label="chosen")
+    ax.scatter([r.peak_bytes / 2 ** 30 for r in rows[1:]], [r.total_s for r in rows[1:]], label="runner-ups")
+    ax.scatter([chosen.peak_bytes / 2 ** 30], [chosen.total_s], marker="*", s=200, label="chosen")
     ax.axvline(plan.memory_limit_bytes / 2 ** 30, color="red", linestyle="--", label="memory limit")
     ax.set_xlabel("peak memory per device (GiB)")
     ax.set_ylabel("predicted step time (s)")
@@ -81,19 +78,19 @@ def write_html(plan: Plan, path: str) -> None:
     rows = "".join(f"<tr><td>{html.escape(layer.module_type)} x{layer.count}</td><td>{layer.choice.strategy}</td>"
                    f"<td>{layer.ulysses_degree} x {layer.ring_degree}</td>"
                    f"<td>{layer.choice.checkpoint}</td></tr>" for layer in plan.layers)
-    alt_rows = "".join(f"<tr><td>{a['sp']}</td><td>{a['layout']}</td><td>{html.escape(layer_choices(a))}</td>"
-                       f"<td>{a['total_s']:.3f}</td><td>{human(a['peak_bytes'], 'B')}</td></tr>"
+    alt_rows = "".join(f"<tr><td>{a.mesh.sp_degree}</td><td>{a.mesh.layout}</td><td>{html.escape(layer_choices(a))}</td>"
+                       f"<td>{a.total_s:.3f}</td><td>{human(a.peak_bytes, 'B')}</td></tr>"
                        for a in plan.alternatives)
     imgs = "".join(f"<h3>{html.escape(t)}</h3><img src='data:image/png;base64,{b}'/>" for t, b in figures(plan))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>autosp plan: {html.escape(plan.model)}</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em}}</style></head><body>
 <h1>{html.escape(plan.model)}: {plan.seq_len} tokens on {plan.world_size} devices</h1>
-<p>Profile <b>{html.escape(plan.profile)}</b>, {plan.devices_per_node} devices per node, ZeRO stage {plan.zero_stage}.
-SP x DP = <b>{plan.sp_degree} x {plan.dp_degree}</b>, token layout <b>{plan.layout}</b>.</p>
+<p>Profile <b>{html.escape(plan.profile)}</b>, {plan.devices_per_node} devices per node, ZeRO stage {plan.mesh.zero_stage}.
+SP x DP = <b>{plan.mesh.sp_degree} x {plan.dp_degree}</b>, token layout <b>{plan.mesh.layout}</b>.</p>
 <table border=1><tr><th>layers</th><th>attention</th><th>Ulysses x ring</th><th>checkpointing</th></tr>{rows}</table>
-<p>Predicted step {pr['total_s']:.3f} s (compute {pr['compute_s']:.3f} s, exposed communication
-{pr['exposed_comm_s']:.3f} s), peak {human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')},
-{pr['tokens_per_s_per_device']:.0f} tokens/s per device, MFU {pr['mfu']:.1%}.</p>
+<p>Predicted step {pr.total_s:.3f} s (compute {pr.compute_s:.3f} s, exposed communication
+{pr.exposed_comm_s:.3f} s), peak {human(pr.peak_bytes, 'B')} of {human(plan.memory_limit_bytes, 'B')},
+{pr.tokens_per_s_per_device:.0f} tokens/s per device, MFU {pr.mfu:.1%}.</p>
 <h3>Runner-ups (from the solver)</h3>
 <table border=1><tr><th>SP</th><th>layout</th><th>layers</th><th>step (s)</th><th>peak</th></tr>{alt_rows}</table>
 {imgs}</body></html>"""

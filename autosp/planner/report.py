@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from autosp.graph import OpGraph
+from autosp.planner.plan import Plan, RunnerUp
 
 
 def human(n: float, unit: str = "") -> str:
@@ -55,30 +57,30 @@ def inspect_table(g: OpGraph):  # -> rich.table.Table
     return t
 
 
-def layer_choices(alternative: dict[str, Any]) -> str:
+def layer_choices(alternative: RunnerUp) -> str:
     """Every layer class's strategy and checkpointing of a plan summary, in one cell."""
-    loss = f"; loss in {alternative['loss_chunks']} chunks" if alternative.get("loss_chunks", 1) > 1 else ""
-    return "; ".join(f"{c['class']}: {c['strategy']}, ckpt {c['checkpoint']}"
-                     + (f", MLP in {c['mlp_chunks']} chunks" if c.get("mlp_chunks", 1) > 1 else "")
-                     + (" recomputed with the layer" if c.get("mlp_chunks", 1) > 1 and c["checkpoint"] == "full"
-                        and not c.get("keep_mlp_input", True) else "")
-                     + (", offloaded" if c.get("offload") else "")
-                     for c in alternative["layers"].values()) + loss \
-        + ("; optimizer on the host" if alternative.get("host_optimizer") else "")
+    mesh = alternative.mesh
+    loss = f"; loss in {mesh.loss_chunks} chunks" if mesh.loss_chunks > 1 else ""
+    return "; ".join(f"{x.module_type}: {c.strategy}, ckpt {c.checkpoint}"
+                     + (f", MLP in {c.mlp_chunks} chunks" if c.mlp_chunks > 1 else "")
+                     + (" recomputed with the layer" if c.mlp_with_layer else "")
+                     + (", offloaded" if c.offload else "")
+                     for x in alternative.layers for c in (x.choice,)) + loss \
+        + ("; optimizer on the host" if mesh.host_optimizer else "")
 
 
-def plan_table(plan) -> list:  # -> list of rich renderables
+def plan_table(plan: Plan) -> list:  # -> list of rich renderables
     """The chosen plan, why, and the runner-ups side by side."""
     from rich.table import Table
 
-    pr = plan.predicted
+    pr, mesh = plan.predicted, plan.mesh
     head = Table(title=f"{plan.model}: {plan.seq_len} tokens on {plan.world_size} devices "
-                       f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {plan.zero_stage}"
-                       f"{f' sharded per {plan.zero_shard} ranks, HSDP' if plan.zero_shard else ''})")
+                       f"({plan.devices_per_node}/node, profile {plan.profile}, ZeRO {mesh.zero_stage}"
+                       f"{f' sharded per {mesh.zero_shard} ranks, HSDP' if mesh.zero_shard else ''})")
     head.add_column("decision")
     head.add_column("value", justify="right")
-    head.add_row("SP x DP", f"{plan.sp_degree} x {plan.dp_degree}")
-    head.add_row("token layout", plan.layout)
+    head.add_row("SP x DP", f"{mesh.sp_degree} x {plan.dp_degree}")
+    head.add_row("token layout", mesh.layout)
     for layer in plan.layers:
         c = layer.choice
         head.add_row(f"{layer.module_type} x{layer.count}",
@@ -89,50 +91,48 @@ def plan_table(plan) -> list:  # -> list of rich renderables
                         + ", " if c.mlp_chunks > 1 else "")
                      + ("saved tensors offloaded to host, " if c.offload else "")
                      + f"overlap {layer.overlap}, exposed comm {layer.exposed_comm_s:.3f} s")
-    head.add_row("LM head + loss", f"in {plan.loss_chunks} token chunks" if plan.loss_chunks > 1 else "whole")
-    if plan.mesh.host_optimizer:
-        head.add_row("optimizer", f"states in host memory, stepped there ({human(pr['host_optimizer_bytes'], 'B')}, "
-                                  f"step and copies {pr['host_optimizer_step_s']:.3f} s)")
-    saves = pr.get("saved_by", {})
-    if saves:
-        head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in saves.items()))
+    head.add_row("LM head + loss", f"in {mesh.loss_chunks} token chunks" if mesh.loss_chunks > 1 else "whole")
+    if mesh.host_optimizer:
+        head.add_row("optimizer", f"states in host memory, stepped there ({human(pr.host_optimizer_bytes, 'B')}, "
+                                  f"step and copies {pr.host_optimizer_step_s:.3f} s)")
+    if pr.saved_by:
+        head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in pr.saved_by))
     head.add_section()
-    copies = f", exposed host copies {pr['exposed_copy_s']:.3f}" if pr.get("host_bytes") else ""
-    head.add_row("step time", f"{pr['total_s']:.3f} s (compute {pr['compute_s']:.3f}, exposed comm "
-                              f"{pr['exposed_comm_s']:.3f}{copies})")
-    mem = pr["memory"]
+    copies = f", exposed host copies {pr.exposed_copy_s:.3f}" if pr.host_bytes else ""
+    head.add_row("step time", f"{pr.total_s:.3f} s (compute {pr.compute_s:.3f}, exposed comm "
+                              f"{pr.exposed_comm_s:.3f}{copies})")
     kept = f", {plan.memory_margin:.0%} kept free" if plan.memory_margin else ""
-    runtime = pr.get("runtime_reserved_bytes")
+    runtime = pr.runtime_reserved_bytes
     held = (f" (the device's {human(plan.memory_limit_bytes + runtime, 'B')} less {human(runtime, 'B')} the CUDA "
             f"context and NCCL hold)") if runtime else ""
-    head.add_row("peak memory / device", f"{human(pr['peak_bytes'], 'B')} of {human(plan.memory_limit_bytes, 'B')}"
+    head.add_row("peak memory / device", f"{human(pr.peak_bytes, 'B')} of {human(plan.memory_limit_bytes, 'B')}"
                                          f"{held}{kept}")
-    head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in mem.items() if k != "peak"))
-    if pr.get("compiler"):          # its memory differs: Inductor never writes a bf16 model's fp32 copies
-        head.add_row("  costed for", f"the step compiled by {pr['compiler']} (--compiler)")
-    bound = pr.get("bound_by")
-    if bound:
-        head.add_row("  peaks in", f"{bound['phase']}")
-    if pr.get("host_bytes"):
-        budget = f" of {human(bound['host_budget'], 'B')} it may take" if bound and bound.get("host_budget") else ""
-        states = pr.get("host_optimizer_bytes", 0.0)
-        parts = f" (checkpoints {human(pr['host_bytes'] - states, 'B')}, optimizer {human(states, 'B')})" \
+    head.add_row("  breakdown", ", ".join(f"{k} {human(v, 'B')}" for k, v in asdict(pr.memory).items()
+                                          if k != "peak"))
+    # its memory differs: Inductor never writes a bf16 model's fp32 copies
+    head.add_row("  costed for", f"the step compiled by {pr.compiler} (--compiler)")
+    head.add_row("  peaks in", pr.bound_by.phase)
+    if pr.host_bytes:
+        budget = f" of {human(pr.bound_by.host_budget, 'B')} it may take" if pr.bound_by.host_budget else ""
+        states = pr.host_optimizer_bytes
+        parts = f" (checkpoints {human(pr.host_bytes - states, 'B')}, optimizer {human(states, 'B')})" \
             if states else ""
-        head.add_row("host memory / device", f"{human(pr['host_bytes'], 'B')} offloaded{parts}{budget} (the node's host "
+        head.add_row("host memory / device", f"{human(pr.host_bytes, 'B')} offloaded{parts}{budget} (the node's host "
                                              f"memory is shared by its {min(plan.world_size, plan.devices_per_node)} "
                                              f"ranks)")
-    for t in pr.get("largest_live", [])[:4]:
-        where = f"layer {t['layer']}" if t["layer"] is not None else "outside the layers"
-        op = t["target"].removeprefix("aten.").removesuffix(".default")
-        head.add_row(f"  largest untiled: {op}", f"{human(t['bytes'], 'B')} ({t['phase']}, {where}, "
-                                                          f"[{', '.join(map(str, t['shape']))}])")
-    head.add_row("tokens/s per device, MFU", f"{pr['tokens_per_s_per_device']:.0f}, {pr['mfu']:.1%}")
-    head.add_row("solver", f"{plan.solver.get('status')} in {plan.solver.get('solve_s', 0):.2f} s "
-                           f"({plan.solver.get('variables')} variables, {plan.solver.get('solves', 1)} solves)")
+    for t in pr.largest_live[:4]:
+        where = f"layer {t.layer}" if t.layer is not None else "outside the layers"
+        op = t.target.removeprefix("aten.").removesuffix(".default")
+        head.add_row(f"  largest untiled: {op}", f"{human(t.bytes, 'B')} ({t.phase}, {where}, "
+                                                          f"[{', '.join(map(str, t.shape))}])")
+    head.add_row("tokens/s per device, MFU", f"{pr.tokens_per_s_per_device:.0f}, {pr.mfu:.1%}")
+    if plan.solver:
+        head.add_row("solver", f"{plan.solver.status} in {plan.solver.solve_s:.2f} s "
+                               f"({plan.solver.variables} variables, {plan.solver.solves} solves)")
     alts = Table(title="runner-ups (from the solver)")
     for col in ("SP", "layout", "layers", "step (s)", "vs chosen", "peak memory"):
         alts.add_column(col, justify="left" if col == "layers" else "right")
     for a in plan.alternatives:
-        alts.add_row(str(a["sp"]), a["layout"], layer_choices(a), f"{a['total_s']:.3f}",
-                     f"{a['total_s'] / pr['total_s']:.2f}x", human(a["peak_bytes"], "B"))
+        alts.add_row(str(a.mesh.sp_degree), a.mesh.layout, layer_choices(a), f"{a.total_s:.3f}",
+                     f"{a.total_s / pr.total_s:.2f}x", human(a.peak_bytes, "B"))
     return [head, alts]

@@ -26,7 +26,7 @@ from autosp.strategies import AUTO, check_spec, resolve
 from autosp.transform.backend import SPConfig, check_compiler, default_compiler
 from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
-from autosp.transform.sequence_parallel import SequenceParallel, layer_paths, layout_for, set_up
+from autosp.transform.sequence_parallel import SequenceParallel, layer_paths, layout_for
 from autosp.transform.zero.shard import shard_parameters
 
 __all__ = ["SequenceParallel", "build"]
@@ -34,12 +34,12 @@ __all__ = ["SequenceParallel", "build"]
 
 def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.ProcessGroup | int | None = None,
           zero: Zero = Zero(), runtime: Runtime = Runtime(), plan: Plan | None = None,
-          provider: Callable | None = None) -> nn.Module:
+          provider: Callable | None = None, may_step_on_host: bool = False) -> nn.Module:
     """Wrap ``model`` for SP training as ``decisions`` say (``autosp.compile`` is the front door:
-    it turns its arguments into these). ``plan``: a saved plan, whose decisions, SP degree and ZeRO
-    stage (unless ``zero.stage`` is given) apply as they are; ``provider``: plans at the first call
-    (:class:`autosp.autoplan.AutoPlanner`) and replaces ``decisions`` then."""
-    zero_stage, zero_shard = zero.stage, zero.shard
+    it turns its arguments into these). ``plan``: a saved plan, whose decisions (SP degree, ZeRO
+    stage unless ``zero.stage`` is given) apply as they are; ``provider``: plans at the first call
+    of each batch shape (:class:`autosp.autoplan.AutoPlanner`), whose plans then run in place of
+    ``decisions``; ``may_step_on_host``: whether such a plan may keep the optimizer on the host."""
     sp_size = mesh if isinstance(mesh, int) and not isinstance(mesh, bool) else None
     group = mesh if isinstance(mesh, dist.ProcessGroup) else None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) else None
@@ -50,26 +50,22 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
             plan.check(world_size=dist.get_world_size())
             _check_plan_placement(plan)
         decisions = plan.decisions()
-        sp_size = plan.sp_degree if plan.sp_degree > 1 and device_mesh is None and group is None else sp_size
-        zero_stage = plan.zero_stage if zero_stage is None else zero_stage
-        zero_shard = plan.zero_shard or "mesh" if zero_shard == "mesh" else zero_shard
-    strategies = [c.strategy for c in decisions.layers]
-    for st in strategies:
-        check_spec(st)
+        planned_sp = plan.mesh.sp_degree
+        sp_size = planned_sp if planned_sp > 1 and device_mesh is None and group is None else sp_size
+    # the ZeRO decisions, resolved once: the caller's, else those the decisions (a plan) carry
+    zero_stage = zero.stage if zero.stage is not None else decisions.mesh.zero_stage
+    zero_shard = (decisions.mesh.zero_shard or "mesh") if zero.shard == "mesh" else zero.shard
+    for c in decisions.layers:
+        check_spec(c.strategy)
     if not runtime.overlap:
-        decisions = replace(decisions, layers=tuple(replace(c, strategy=c.strategy if c.strategy == AUTO else
-                                                           resolve(c.strategy).without_overlap().spec)
-                                                   for c in decisions.layers))
-        strategies = [c.strategy for c in decisions.layers]
+        decisions = without_overlap(decisions)
     check_zero_stage(zero_stage)
     if zero_stage is not None and not runtime.reduce_grads:
         raise AutospError(f"zero={zero_stage} has autosp reduce the gradients over the mesh; "
                           "runtime=autosp.Runtime(reduce_grads=False) "
                           "(the caller reduces them) contradicts it: pass one of the two")
-    layout = layout_for(strategies, decisions.mesh.layout)
+    layout = layout_for([c.strategy for c in decisions.layers], decisions.mesh.layout)
     compiler = check_compiler(runtime.compiler if runtime.compiler is not None else default_compiler())
-    if provider is not None and hasattr(provider, "compiler") and provider.compiler is None:
-        provider.compiler = compiler        # the planner's memory model depends on it (Inductor fuses)
     if not dist.is_available() or not dist.is_initialized():
         if mesh is not None:
             raise AutospError(f"mesh={mesh!r} needs torch.distributed initialised: call "
@@ -81,7 +77,8 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
         the_mesh = Mesh(sp=group, whole=group, sp_degree=dist.get_world_size(group), dp_degree=1)
     else:
         the_mesh = mesh_for(sp_size)
-    decisions = replace(decisions, mesh=replace(decisions.mesh, layout=layout, sp_degree=the_mesh.sp_degree))
+    decisions = replace(decisions, mesh=replace(decisions.mesh, layout=layout, sp_degree=the_mesh.sp_degree,
+                                                zero_stage=zero_stage))
     reduced_by_us = zero_stage is not None
     if zero_stage in (2, 3):
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
@@ -90,17 +87,25 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
         param_groups = shard_parameters(model, the_mesh, zero_stage, _shard_ranks(zero_shard))
     elif zero_shard != "mesh":
         raise AutospError(f"Zero(shard={zero_shard!r}) shards ZeRO 3's parameters by node (HSDP); it needs stage=3")
-    config = SPConfig(the_mesh.sp, decisions, runtime.gather_outputs,
-                      reduce_grads=runtime.reduce_grads and not reduced_by_us, compiler=compiler,
-                      layer_paths=layer_paths(model),
-                      loss_group=the_mesh.whole if reduced_by_us or not runtime.reduce_grads else the_mesh.sp,
-                      # eager checkpointing splits the graph per layer: a prefetch would cross the split
-                      prefetch_params=runtime.overlap and not (compiler == "eager" and
-                                                               decisions.checkpoint != "none"))
-    set_up(config, strategies)
+    # what every compiled variant shares; each plan's decisions replace the base's (SequenceParallel)
+    base = SPConfig(the_mesh.sp, decisions, runtime.gather_outputs,
+                    reduce_grads=runtime.reduce_grads and not reduced_by_us, compiler=compiler,
+                    layer_paths=tuple(layer_paths(model)),
+                    loss_group=the_mesh.whole if reduced_by_us or not runtime.reduce_grads else the_mesh.sp,
+                    # eager checkpointing splits the graph per layer: a prefetch would cross the split
+                    prefetch_params=runtime.overlap and not (compiler == "eager" and
+                                                             decisions.any_layer(lambda c: c.checkpoint != "none")))
     reducer = GradReducer(list(model.parameters()), the_mesh.whole, zero.bucket_mb) if zero_stage in (0, 1) else None
-    return SequenceParallel(model, config, mesh=the_mesh, zero_stage=zero_stage, reducer=reducer,
-                            param_groups=param_groups if zero_stage in (2, 3) else [], plan=plan, provider=provider)
+    return SequenceParallel(model, base, mesh=the_mesh, zero_stage=zero_stage, reducer=reducer,
+                            param_groups=param_groups if zero_stage in (2, 3) else [], plan=plan, provider=provider,
+                            may_step_on_host=may_step_on_host or decisions.mesh.host_optimizer)
+
+
+def without_overlap(decisions: Decisions) -> Decisions:
+    """The decisions with every named strategy's unpipelined variant (``Runtime(overlap=False)``)."""
+    return replace(decisions, layers=tuple(replace(c, strategy=c.strategy if c.strategy == AUTO else
+                                                   resolve(c.strategy).without_overlap().spec)
+                                           for c in decisions.layers))
 
 
 def _shard_ranks(zero_shard: int | str) -> int:

@@ -12,13 +12,14 @@ import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from types import MappingProxyType
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autosp.decisions import Decisions
+from autosp.decisions import Decisions, MeshChoice
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.transform.attention_region import extract_regions
@@ -80,59 +81,31 @@ def _eager_attention_sites(gm: fx.GraphModule) -> list[str]:
     return sites
 
 
-@dataclass
+@dataclass(frozen=True)
 class SPConfig:
-    """How one compiled model is parallelised (the groups exist on every rank)."""
+    """How one compiled model is parallelised (the groups exist on every rank): frozen, so the
+    graphs compiled from it and the wrapper that runs them read the same decisions."""
 
     group: dist.ProcessGroup
-    # the plan's decisions as the planner (or the caller) made them: per layer the strategy
-    # (sharding.py), checkpointing (checkpointing.py) and MLP chunks (tiled_mlp.py); per mesh the
-    # token layout and the LM head's chunks (tiled_loss.py)
-    decisions: Decisions = field(default_factory=Decisions)
+    # the plan's decisions as the planner (or the caller) made them, the layout resolved: per layer
+    # the strategy (sharding.py), checkpointing (checkpointing.py), MLP chunks (tiled_mlp.py) and
+    # offload (offload.py); per mesh the token layout and the LM head's chunks (tiled_loss.py)
+    decisions: Decisions = Decisions(mesh=MeshChoice(layout="contiguous"))
     gather_outputs: bool | None = None
-    runtime: dict[str, dict[str, Any]] = field(default_factory=dict)   # spec -> Strategy.setup(group)
+    # spec -> Strategy.setup(group), for the strategies the decisions name (read-only here)
+    runtime: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
     reduce_grads: bool = False          # True: full gradients on every rank; False: partial sums
     compiler: str = "inductor"          # what runs each sharded graph: see compile_graph
-    layer_paths: list[str] = field(default_factory=list)     # qualified names of the transformer layers
+    layer_paths: tuple[str, ...] = ()   # qualified names of the transformer layers
     loss_group: dist.ProcessGroup | None = None   # where the loss is made global (None: the SP group)
     prefetch_params: bool = True        # ZeRO 3: gather the next unit while this one computes (zero/prefetch.py)
 
-    # read from the decisions, never copied out of them
-    @property
-    def strategy(self) -> str | list[str]:
-        return self.decisions.strategy
-
-    @property
-    def checkpoint(self) -> str | list[str]:
-        return self.decisions.checkpoint
-
-    @property
-    def mlp_chunks(self) -> int | list[int]:
-        return self.decisions.mlp_chunks
-
-    @property
-    def offload(self) -> bool | list[bool]:
-        return self.decisions.offload
-
-    def mlp_region_of_its_own(self, layer: int) -> bool:
-        """Layer ``layer``'s tiled MLP recomputes as a region of its own (see LayerChoice)."""
-        layers = self.decisions.layers
-        # (modulo: the report counts the attention ops of every graph compiled, a recompile's again)
-        return layers[layer % len(layers)].mlp_region_of_its_own
-
-    def norms_fused(self, layer: int) -> bool:
-        """Layer ``layer``'s RMSNorms run as one op each (fused_norm.py): where its tiled MLP
-        recomputes with the whole layer, whose recomputed tensors then wait through the chunks."""
-        layers = self.decisions.layers
-        return layers[layer % len(layers)].mlp_with_layer
-
-    @property
-    def layout(self) -> str:
-        return self.decisions.mesh.layout or "contiguous"
-
-    @property
-    def loss_chunks(self) -> int:
-        return self.decisions.mesh.loss_chunks
+    def __post_init__(self) -> None:
+        if self.decisions.mesh.layout is None:
+            raise AutospError("internal: an SP configuration needs its token layout resolved (layout_for)")
+        object.__setattr__(self, "runtime", MappingProxyType({k: MappingProxyType(dict(v))
+                                                               for k, v in self.runtime.items()}))
+        object.__setattr__(self, "layer_paths", tuple(self.layer_paths))
 
 
 def _with_hooks(fn: Callable, state: BackendState) -> Callable:
@@ -214,23 +187,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], compiler: str,
 
 
 def _offloaded_layers(config: SPConfig) -> set[int]:
-    flags = config.offload
-    if isinstance(flags, bool):
-        return set(range(len(config.layer_paths))) if flags else set()
-    return {i for i, f in enumerate(flags) if f}
+    return {i for i in range(len(config.layer_paths)) if config.decisions.layer(i).offload}
 
 
 def _mode_of(config: SPConfig) -> Callable[[int], str]:
-    modes = config.checkpoint
-    return lambda layer: modes if isinstance(modes, str) else modes[layer]
+    return lambda layer: config.decisions.layer(layer).checkpoint
 
 
 def _checkpointed(gm: fx.GraphModule, config: SPConfig) -> fx.GraphModule:
     mode_of = _mode_of(config)
     if config.compiler != "eager":          # AOTAutograd's partitioner reads the tags
-        tag_for_recompute(gm, config.layer_paths, mode_of)
+        tag_for_recompute(gm, list(config.layer_paths), mode_of)
         return gm
-    return apply_checkpointing(gm, config.layer_paths, mode_of)
+    return apply_checkpointing(gm, list(config.layer_paths), mode_of)
 
 
 def make_backend(config: SPConfig, state: BackendState | None = None) -> Callable:
@@ -239,9 +208,11 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
     loss_group = config.loss_group or group
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        decisions, mesh = config.decisions, config.decisions.mesh
+        layer_paths = list(config.layer_paths)
         ctx = ShardContext(
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
-            strategy=config.strategy, layout=config.layout, gather_outputs=config.gather_outputs,
+            decisions=decisions, layout=mesh.layout, gather_outputs=config.gather_outputs,
             runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads,
             loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group),
             seq_len=state.seq_len)
@@ -252,24 +223,26 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             if sites:               # hand-written attention: never sharded by length (refused by name after)
                 ctx.seq_len = 0
         report = shard_graph(gm, example_inputs, ctx)
-        if config.loss_chunks > 1 and report.attention:
-            report.tiled_losses = tile_head_loss(gm, config.loss_chunks, loss_group.group_name,
+        if mesh.loss_chunks > 1 and report.attention:
+            report.tiled_losses = tile_head_loss(gm, mesh.loss_chunks, loss_group.group_name,
                                                  aot=config.compiler != "eager")
         if report.attention:
-            report.fused_norms = fuse_layer_norms(gm, config.layer_paths, config.norms_fused)
-        chunks = config.mlp_chunks
-        if report.attention and (chunks > 1 if isinstance(chunks, int) else any(c > 1 for c in chunks)):
-            report.tiled_mlps = tile_mlps(gm, chunks if isinstance(chunks, int) else chunks.__getitem__,
-                                          config.layer_paths, aot=config.compiler != "eager", mode_of=_mode_of(config),
-                                          own_region=config.mlp_region_of_its_own, record=report.mlp_chunks)
-        report.param_gathers = bucket_gathers(gm, config.layer_paths)
+            # a layer's RMSNorms run as one op each where its tiled MLP recomputes with the whole
+            # layer, whose recomputed tensors then wait through the chunks (fused_norm.py)
+            report.fused_norms = fuse_layer_norms(gm, layer_paths, lambda i: decisions.layer(i).mlp_with_layer)
+        if report.attention and decisions.any_layer(lambda c: c.mlp_chunks > 1):
+            report.tiled_mlps = tile_mlps(gm, lambda i: decisions.layer(i).mlp_chunks, layer_paths,
+                                          aot=config.compiler != "eager", mode_of=_mode_of(config),
+                                          own_region=lambda i: decisions.layer(i).mlp_region_of_its_own,
+                                          record=report.mlp_chunks)
+        report.param_gathers = bucket_gathers(gm, layer_paths)
         if report.param_gathers > 1 and config.prefetch_params:
             report.param_prefetched = prefetch_gathers(gm)
         if report.param_gathers and config.compiler != "eager":
             tag_gathers_for_recompute(gm)
         state.graph_params.update(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         state.reports.append(report)
-        if config.checkpoint != "none" and report.attention:
+        if decisions.any_layer(lambda c: c.checkpoint != "none") and report.attention:
             gm = _checkpointed(gm, config)
         partitioner = None
         offloaded = _offloaded_layers(config)
@@ -277,7 +250,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
             if config.compiler == "eager":
                 raise AutospError("offload moves what AOTAutograd's partitioner saves to host memory: it needs a "
                                   "compiled graph; use runtime=autosp.Runtime(compiler='aot_eager' or 'inductor')")
-            partitioner = OffloadingPartitioner(offloaded, config.layer_paths,
+            partitioner = OffloadingPartitioner(offloaded, layer_paths,
                                                  lambda k: setattr(report, "offloaded", report.offloaded + k),
                                                  config.compiler)
         try:

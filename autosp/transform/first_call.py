@@ -38,12 +38,12 @@ def check_first_call(sp: Any, padded: bool) -> None:
             "the mesh where the model computes it, but no compiled graph computes a loss over the sharded "
             "tokens (it follows a graph break, or the model is called without labels); compute the loss in "
             "the model (pass labels), or use zero=None and reduce over data parallel ranks yourself")
-    planned = sp.config.strategy
-    if not isinstance(planned, str) and len(planned) != sp.state.attention_ops:
+    planned = sp.config.decisions.layers
+    if len(planned) > 1 and len(planned) != sp.state.attention_ops:
         raise AutospError(
-            f"{len(planned)} per-layer strategies were given but the compiled graphs hold "
+            f"{len(planned)} per-layer decisions were given but the compiled graphs hold "
             f"{sp.state.attention_ops} attention ops (a graph break can make one compiled frame serve several "
-            "layers); give one strategy for every layer, or remove the graph break")
+            "layers); give one decision for every layer, or remove the graph break")
     if padded and sp.state.unmasked_noncausal:
         raise AutospError("padding a non-causal attention without a mask would change results; pass an "
                           "attention_mask or a sequence length divisible by the SP degree")

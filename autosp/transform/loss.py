@@ -13,17 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from autosp.strategies.collectives import all_reduce_sum
-
-# By group: this rank's count of labelled tokens in the last loss made global over it, as the
-# loss computed it (a tensor: read with .item() only when a report asks, never a sync per step)
-LOSS_TOKENS: dict[str, Tensor] = {}
+from autosp.transform.observe import observed
 
 
 @torch.library.custom_op("autosp::all_reduce_count", mutates_args=())
 def all_reduce_count(count: Tensor, group_name: str) -> Tensor:
     """``all_reduce_sum`` of this rank's labelled tokens, which it keeps for ``report()``: what each
     rank's loss covered, counted as the graph runs."""
-    LOSS_TOKENS[group_name] = count.detach().clone()
+    observed(group_name).loss_tokens = count.detach().clone()
     return all_reduce_sum(count, group_name)
 
 

@@ -13,7 +13,7 @@ import functools
 import inspect
 import warnings
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from autosp.decisions import Decisions
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
@@ -32,8 +33,7 @@ from autosp.transform.first_call import (check_deepspeed_groups, check_first_cal
                                          optimizer_placement_warning, refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
-from autosp.transform.loss import LOSS_TOKENS
-from autosp.transform.observe import ATTENTION_TOKENS
+from autosp.transform.observe import new_step, observed
 from autosp.transform.host_optimizer import HostOptimizer
 from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
@@ -61,13 +61,27 @@ def layout_for(strategies: list[str], layout: str | None) -> str:
     return layout
 
 
-def set_up(config: SPConfig, strategies: list[str]) -> None:
-    """Each named strategy's runtime arguments (and process groups), on every rank in the same order."""
-    for st in dict.fromkeys(strategies):
+def set_up(group: dist.ProcessGroup, decisions: Decisions, made: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each named strategy's runtime arguments (and process groups) for ``decisions``: those in
+    ``made`` (set up for an earlier variant) reused, the others set up now and added to it, on every
+    rank in the same order."""
+    for st in dict.fromkeys(c.strategy for c in decisions.layers):
         if st != AUTO:
             strat = resolve(st)
-            if strat.spec not in config.runtime:
-                config.runtime[strat.spec] = strat.setup(config.group)
+            if strat.spec not in made:
+                made[strat.spec] = strat.setup(group)
+    names = {resolve(c.strategy).spec for c in decisions.layers if c.strategy != AUTO}
+    return {spec: made[spec] for spec in names}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of the model: the configuration its graphs were compiled from, what they
+    report, and the compiled callable. A plan whose decisions an earlier one made runs its variant."""
+
+    config: SPConfig
+    state: BackendState
+    compiled: Callable
 
 
 def length_bucket(padded: int, sp_degree: int) -> int:
@@ -88,21 +102,19 @@ class SequenceParallel(nn.Module):
 
     def __init__(self, module: nn.Module, config: SPConfig, *, mesh: Mesh, zero_stage: int | None = None,
                  reducer: GradReducer | None = None, param_groups: list[str] | None = None, plan: Any = None,
-                 provider: Callable | None = None):
+                 provider: Callable | None = None, may_step_on_host: bool = False):
         super().__init__()
         self.module = module
-        self.config = config
         self.group = config.group
         self.sp_degree = dist.get_world_size(config.group)
-        # zigzag cuts the sequence into 2P chunks: pad to a multiple of that
-        self.pad_multiple = n_chunks(config.layout, self.sp_degree)
-        self.state = BackendState()
-        # Not registered as a submodule: it wraps the same parameters.
-        # dynamic=True: every input dim is symbolic (parameters stay static), so the sequence
-        # length is a symbol in every graph, also in a loss graph after a graph break whose
-        # inputs (gathered logits) no hint could mark.
-        object.__setattr__(self, "_compiled",
-                           torch.compile(module, backend=make_backend(config, self.state), dynamic=True))
+        # How measurement tools (the memory probe) see inside compiled code: entered around every
+        # run of every variant's graphs (graph_hook)
+        self._graph_hooks: list[Callable[[], ContextManager]] = []
+        self._setups: dict[str, dict[str, Any]] = {}      # strategy spec -> its runtime arguments, made once
+        self._base = config
+        # decisions -> its Variant: a bucket whose plan decides as an earlier one did runs that
+        # one's compiled graphs; new decisions compile anew
+        self._variants: dict[Decisions, Variant] = {}
         self._signature = inspect.signature(module.forward)
         self._is_hf = is_hf_model(module)
         if self._is_hf:
@@ -110,10 +122,8 @@ class SequenceParallel(nn.Module):
         self._checked = False
         self.plan = plan                 # the Plan applied, if any
         self.plan_provider = provider    # plans per batch-shape bucket (autosp.compile(plan="auto"))
+        self.may_step_on_host = may_step_on_host     # a plan may keep the optimizer's states on the host
         self._plans: dict[tuple[int, int], Any] = {}       # (batch, length bucket) -> its plan
-        # decisions -> (config, state, compiled model): a bucket whose plan decides as an earlier one
-        # did runs that one's compiled graphs; new decisions compile anew
-        self._variants: dict[Any, tuple[SPConfig, BackendState, Any]] = {}
         self._warned_lengths: set[int] = set()
         self.mesh = mesh
         self.zero_stage = zero_stage
@@ -124,6 +134,32 @@ class SequenceParallel(nn.Module):
         self._z3_leaf = True
         self._after_backward: OrderedDict[int, Callable] = OrderedDict()     # DeepSpeed ZeRO 3: reduction
         self._optimizers_made = 0        # by optimizer(): the only one that follows a plan's host optimizer
+        self._run(config.decisions)
+
+    # the variant running now, read where it lives
+    @property
+    def config(self) -> SPConfig:
+        return self._active.config
+
+    @property
+    def state(self) -> BackendState:
+        return self._active.state
+
+    def _run(self, decisions: Decisions) -> None:
+        """Make the variant for ``decisions`` the one that runs (compiled lazily, at its first call)."""
+        if decisions not in self._variants:
+            config = replace(self._base, decisions=decisions, runtime=set_up(self.group, decisions, self._setups))
+            state = BackendState(graph_hooks=self._graph_hooks)
+            # Not registered as a submodule: it wraps the same parameters.
+            # dynamic=True: every input dim is symbolic (parameters stay static), so the sequence
+            # length is a symbol in every graph, also in a loss graph after a graph break whose
+            # inputs (gathered logits) no hint could mark.
+            compiled = torch.compile(self.module, backend=make_backend(config, state), dynamic=True)
+            self._variants[decisions] = Variant(config, state, compiled)
+            self._checked = False        # its graphs get the first call's checks too
+        object.__setattr__(self, "_active", self._variants[decisions])
+        # zigzag cuts the sequence into 2P chunks: pad to a multiple of that
+        self.pad_multiple = n_chunks(decisions.mesh.layout, self.sp_degree)
 
     def register_full_backward_hook(self, hook: Callable, *, prepend: bool = False) -> RemovableHandle:
         """DeepSpeed ZeRO 3 reduces this leaf module's gradients in a full backward hook, which torch
@@ -153,8 +189,7 @@ class SequenceParallel(nn.Module):
         there: :class:`autosp.transform.host_optimizer.HostOptimizer`."""
         self._optimizers_made += 1
         params = [p for p in self.module.parameters() if p.requires_grad]
-        may = True in getattr(self.plan_provider, "host_optimizers", (False,))
-        if may or self.config.decisions.mesh.host_optimizer:
+        if self.may_step_on_host:
             # asked at the first step: by then the first call's plan is the model's
             on_host = (lambda: self.config.decisions.mesh.host_optimizer)  # noqa: E731
             cls = functools.partial(HostOptimizer, optimizer_class=cls, on_host=on_host)
@@ -173,27 +208,29 @@ class SequenceParallel(nn.Module):
         """What autosp did to this model: per attention op and, for the last step (since its
         forward began), the collectives issued and the padding added."""
         step = getattr(self, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
-        mesh = SPMesh(self.sp_degree, self.config.layout)
-        modes = self.config.checkpoint
+        decisions = self.config.decisions
+        layout = decisions.mesh.layout
+        mesh = SPMesh(self.sp_degree, layout)
         tiled = {layer: k for r in self.state.reports for layer, k in r.mlp_chunks.items()}
         fused = {layer: k for r in self.state.reports for layer, k in r.fused_norms.items()}
         rows = []
-        seen = {i: t for (g, i), t in ATTENTION_TOKENS.items() if g == self.group.group_name}
+        seen = observed(self.group.group_name).attention_tokens
         for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
             if seen and i not in seen:
                 continue        # a graph that did not run in the last step (another length bucket's)
             strat = resolve(spec)
             u, r = strat.grid(mesh)
-            mode = modes if isinstance(modes, str) else modes[i] if i < len(modes) else "none"
-            nested = mode == "full" and tiled.get(i, 1) > 1 and (
-                self.config.compiler == "eager" or not self.config.mlp_region_of_its_own(i))
+            choice = decisions.layer(i)
+            nested = choice.checkpoint == "full" and tiled.get(i, 1) > 1 and (
+                self.config.compiler == "eager" or not choice.mlp_region_of_its_own)
             rows.append(AttentionRow(
-                index=i, strategy=spec, layout=self.config.layout, heads=heads, kv_heads=kv, ulysses_degree=u,
+                index=i, strategy=spec, layout=layout, heads=heads, kv_heads=kv, ulysses_degree=u,
                 ring_degree=r, heads_per_rank=heads // u,
                 tokens_per_rank=seen.get(i, 0),    # observed as it ran
-                checkpoint=mode, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
+                checkpoint=choice.checkpoint, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
                 fused_norms=fused.get(i, 0)))
-        groups = {v for kw in self.config.runtime.values() for v in kw.values()} | {self.group.group_name}
+        setups = [*self.config.runtime.values(), *(kw for r in self.state.reports for kw in r.setups.values())]
+        groups = {v for kw in setups for v in kw.values()} | {self.group.group_name}
         if self.mesh is not None:
             groups.add(self.mesh.whole.group_name)
         groups.update(self.param_groups)
@@ -214,10 +251,10 @@ class SequenceParallel(nn.Module):
                         seq_len=step["seq_len"], padded_len=step["padded_len"],
                         compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
                         attention=rows, collectives=counts,
-                        work_per_rank=work_per_rank(step["positions"], self.config.layout, self.sp_degree)
+                        work_per_rank=work_per_rank(step["positions"], layout, self.sp_degree)
                         if "positions" in step else [],
                         plans=len(self._plans), compiled_variants=max(len(self._variants), 1),
-                        loss_tokens=_loss_tokens(self._loss_group_name))
+                        loss_tokens=_loss_tokens(observed(self._loss_group_name).loss_tokens))
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -225,11 +262,11 @@ class SequenceParallel(nn.Module):
 
         How measurement tools (the memory probe) see inside compiled code; the runtime
         itself installs none."""
-        self.state.graph_hooks.append(hook)
+        self._graph_hooks.append(hook)
         try:
             yield
         finally:
-            self.state.graph_hooks.remove(hook)
+            self._graph_hooks.remove(hook)
 
     def forward(self, *args: Any, cu_seqlens: Any = None, **kwargs: Any) -> Any:
         """The model's forward, sequence-parallel. ``cu_seqlens`` (optional): cumulative document
@@ -255,9 +292,7 @@ class SequenceParallel(nn.Module):
         self.state.seq_len = padded_len
         self._step = {"seq_len": seq_len, "padded_len": padded_len,
                       "tally": {k: tuple(v) for k, v in TALLY.items()}}
-        LOSS_TOKENS.pop(self._loss_group_name, None)     # this step's count, or none
-        for key in [k for k in ATTENTION_TOKENS if k[0] == self.group.group_name]:
-            del ATTENTION_TOKENS[key]                     # this step's observations, or none
+        new_step(self._loss_group_name, self.group.group_name)     # this step's observations, or none
         if padded_len != seq_len and seq_len not in self._warned_lengths:
             self._warned_lengths.add(seq_len)
             what = "SP degree" if self.pad_multiple == self.sp_degree else "2 x SP degree, zigzag layout"
@@ -271,7 +306,7 @@ class SequenceParallel(nn.Module):
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
         with unpacked_positions(self._is_hf and "position_ids" not in named), \
                 torch._dynamo.config.patch(**TRACE_OPTIONS), _own_errors():
-            out = self._compiled(*bound.args, **bound.kwargs)
+            out = self._active.compiled(*bound.args, **bound.kwargs)
         if not self._checked:
             self._checked = True
             check_first_call(self, padded_len != seq_len)
@@ -307,7 +342,7 @@ class SequenceParallel(nn.Module):
         if not isinstance(pos, torch.Tensor) or pos.dim() != 2:
             pos = torch.arange(padded_len).unsqueeze(0)
         self._step["positions"] = pos.detach()
-        if self.config.layout == "balanced":
+        if self.config.decisions.mesh.layout == "balanced":
             set_balanced(deal_balanced(pos.detach().cpu(), self.sp_degree), self.sp_degree)
 
     def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
@@ -328,28 +363,14 @@ class SequenceParallel(nn.Module):
         self._use(self._plans[bucket])
 
     def _use(self, plan: Any) -> None:
-        """Run the compiled model for ``plan``'s decisions (applied as the planner made them; what
+        """Run the compiled variant for ``plan``'s decisions (applied as the planner made them; what
         the caller fixed, it was told: autosp.options.Auto)."""
         self.plan = plan
         decisions = plan.decisions()
-        if decisions == self.config.decisions and self._variants:
-            return
-        strategies = [c.strategy for c in decisions.layers]
-        layout_for(strategies, plan.layout)
-        if not self._variants:           # nothing compiled yet: this model's configuration is the plan's
-            self.config.decisions = decisions
-            set_up(self.config, strategies)
-            self._variants[decisions] = (self.config, self.state, self._compiled)
-        elif decisions not in self._variants:
-            config = replace(self.config, decisions=decisions, runtime=dict(self.config.runtime))
-            set_up(config, strategies)
-            state = BackendState(graph_hooks=self.state.graph_hooks)      # measurement hooks see every variant
-            compiled = torch.compile(self.module, backend=make_backend(config, state), dynamic=True)
-            self._variants[decisions] = (config, state, compiled)
-            self._checked = False        # its graphs get the first call's checks too
-        self.config, self.state, compiled = self._variants[decisions]
-        object.__setattr__(self, "_compiled", compiled)
-        self.pad_multiple = n_chunks(plan.layout, self.sp_degree)
+        layout_for([c.strategy for c in decisions.layers], decisions.mesh.layout)
+        if self._variants.keys() == {self._base.decisions} and not self._active.state.reports:
+            self._variants.clear()       # the default's variant never ran: the plan's takes its place
+        self._run(decisions)
 
     def _sequence_length(self, named: dict[str, Any]) -> int:
         for key in ("input_ids", "inputs_embeds"):
@@ -387,6 +408,5 @@ def _own_errors() -> Iterator[None]:
         raise AutospError(str(inner)) from None
 
 
-def _loss_tokens(group_name: str) -> int | None:
-    count = LOSS_TOKENS.get(group_name)
+def _loss_tokens(count: torch.Tensor | None) -> int | None:
     return None if count is None else int(count.item())

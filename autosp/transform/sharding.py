@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.decisions import Decisions
 from autosp.errors import AutospError
 from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
@@ -87,11 +88,12 @@ class ShardContext:
     group_name: str
     world: int
     rank: int
-    # one strategy spec for every attention op, or one per attention op in execution order
-    strategy: str | list[str] = "auto"
+    # the decisions applied: attention op i runs decisions.layer(i).strategy
+    decisions: Decisions = Decisions()
     layout: str = "contiguous"
-    # runtime keyword arguments per strategy spec (process groups), from Strategy.setup
-    runtime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # runtime keyword arguments per strategy spec (process groups), from Strategy.setup: read-only
+    # here; a strategy the default choice picks in the pass is set up there (ShardReport.setups)
+    runtime: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     attention_offset: int = 0             # attention ops seen in earlier graphs
     # True: gradients leaving a sharded graph (parameters', inputs') are summed over the group
     # inside it, so every rank holds full gradients; False: they stay this rank's partial sums.
@@ -133,6 +135,8 @@ class ShardReport:
     fused_norms: dict[int, int] = field(default_factory=dict)  # layer index -> RMSNorms run as one op
     strategies: list[str] = field(default_factory=list)     # the spec that ran, per attention op
     heads: list[tuple[int, int]] = field(default_factory=list)   # (query heads, KV heads), per attention op
+    # runtime arguments of the strategies this pass set up itself (picked by the default choice)
+    setups: dict[str, dict[str, Any]] = field(default_factory=dict)
     local_outputs: int = 0
     replicated_params: int = 0        # parameters read by this graph while it runs unsharded
     dropout_at: list[str] = field(default_factory=list)      # attention ops with dropout
@@ -447,9 +451,9 @@ class Sharder:
         reason = strat.refuses(shape, mesh)
         if reason:
             raise AutospError(f"{where} {reason}")
-        runtime = self.ctx.runtime.get(strat.spec)
+        runtime = self.ctx.runtime.get(strat.spec) or self.report.setups.get(strat.spec)
         if runtime is None:   # picked by "auto": compile prepared only named strategies (auto needs no sub-groups)
-            runtime = self.ctx.runtime[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
+            runtime = self.report.setups[strat.spec] = strat.setup(resolve_group(self.ctx.group_name))
         n.target = strat.region_fn if written else strat.attention_fn
         n.kwargs = {**n.kwargs, **runtime, "layout": self.ctx.layout}
         early = strat.early_issue(shape)
@@ -497,13 +501,7 @@ class Sharder:
         return issued
 
     def _strategy_for(self, index: int) -> str:
-        st = self.ctx.strategy
-        if isinstance(st, str):
-            return st
-        if index >= len(st):
-            raise AutospError(f"the per-layer strategy list has {len(st)} entries but the model has more "
-                              f"attention ops (op {index}); give one strategy per attention layer")
-        return st[index]
+        return self.ctx.decisions.layer(index).strategy
 
     def _cross_entropy(self, n: fx.Node) -> None:
         target = n.args[1] if len(n.args) > 1 else n.kwargs["target"]
