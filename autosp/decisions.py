@@ -44,9 +44,29 @@ def mlp_chunk_counts(allowed: tuple[int, ...], tokens: float, hidden: float) -> 
     return fixed + ((alst,) if HIDDEN_SIZED in allowed and alst > max(fixed, default=1) else ())
 
 
-def _positive(name: str, k: Any) -> None:
+COMPILERS = ("inductor", "aot_eager", "eager")     # what may run a sharded step (autosp.options.Runtime)
+
+
+def check_positive(name: str, k: Any, none_ok: bool = False) -> None:
+    """A count of chunks (or an SP degree): a positive integer (``None`` too where ``none_ok``)."""
+    if none_ok and k is None:
+        return
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise AutospError(f"{name} must be a positive integer (1 = untiled), got {k!r}")
+        raise AutospError(f"{name} must be a positive integer (1 = untiled){' or None' if none_ok else ''}, got {k!r}")
+
+
+def check_zero_stage(stage: Any, none_ok: bool = True) -> None:
+    """A ZeRO stage: 0-3, or (where ``none_ok``) ``None``: no ZeRO from autosp, gradients summed over
+    each SP group inside the graphs."""
+    if (none_ok and stage is None) or (not isinstance(stage, bool) and stage in (0, 1, 2, 3)):
+        return
+    raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3{' (or None: no ZeRO)' if none_ok else ''}, got {stage!r}")
+
+
+def check_compiler(name: Any) -> None:
+    """A compiler autosp runs sharded graphs with."""
+    if name not in COMPILERS:
+        raise AutospError(f"unknown compiler '{name}'; use one of {', '.join(COMPILERS)}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class LayerChoice:
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINTS:
             raise AutospError(f"unknown checkpointing '{self.checkpoint}'; use one of {', '.join(CHECKPOINTS)}")
-        _positive("mlp_chunks", self.mlp_chunks)
+        check_positive("mlp_chunks", self.mlp_chunks)
         for name in ("offload", "keep_mlp_input"):
             if not isinstance(getattr(self, name), bool):
                 raise AutospError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -98,14 +118,13 @@ class MeshChoice:
     zero_stage: int | None = None
 
     def __post_init__(self) -> None:
-        if self.zero_stage is not None and (isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3)):
-            raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3 (or None: no ZeRO), got {self.zero_stage!r}")
+        check_zero_stage(self.zero_stage)
         if not isinstance(self.host_optimizer, bool):
             raise AutospError(f"host_optimizer must be True or False, got {self.host_optimizer!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise AutospError(f"unknown token layout '{self.layout}'; use one of {', '.join(LAYOUTS)}")
-        _positive("loss_chunks", self.loss_chunks)
-        _positive("sp_degree", self.sp_degree)
+        check_positive("loss_chunks", self.loss_chunks)
+        check_positive("sp_degree", self.sp_degree)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class MixedDegree:
 
     def __init__(self, model: nn.Module, time_of: Times, degrees: Sequence[int] | None = None,
                  **compile_options: Any):
-        import autosp
+        from autosp.front import compile as sp_compile
         from autosp.options import Runtime
 
         fixed = sorted(set(compile_options) & {"mesh", "zero"})
@@ -81,7 +81,7 @@ class MixedDegree:
                     pg = dist.new_group(list(range(g * k, (g + 1) * k)))
                     if self.rank // k == g:
                         mine = pg
-            self.models[k] = autosp.compile(model, mesh=mine, runtime=runtime, **compile_options)
+            self.models[k] = sp_compile(model, mesh=mine, runtime=runtime, **compile_options)
         self.last: Assignment | None = None
 
     def schedule(self, batch: Sequence[dict[str, torch.Tensor]]) -> Assignment:

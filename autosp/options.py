@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autosp.decisions import CHECKPOINTS, LOSS_CHUNKS, MLP_CHUNKS
+from autosp.decisions import (CHECKPOINTS, COMPILERS, LOSS_CHUNKS, MLP_CHUNKS, check_compiler, check_positive,
+                              check_zero_stage)
 from autosp.errors import AutospError
 
-COMPILERS = ("inductor", "aot_eager", "eager")
+__all__ = ["Auto", "Zero", "Runtime", "COMPILERS", "parse_bytes"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,7 @@ class Auto:
         if self.checkpoint is not None and self.checkpoint not in CHECKPOINTS:
             raise AutospError(f"unknown checkpointing '{self.checkpoint}'; use one of {', '.join(CHECKPOINTS)}")
         for name in ("mlp_chunks", "loss_chunks"):
-            k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-                raise AutospError(f"{name} must be a positive integer (1 = untiled) or None, got {k!r}")
+            check_positive(name, getattr(self, name), none_ok=True)
         for name in ("offload", "host_optimizer"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
@@ -98,8 +97,7 @@ class Zero:
     shard: int | str = "mesh"
 
     def __post_init__(self) -> None:
-        if self.stage is not None and (isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3)):
-            raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3 (or None: no ZeRO), got {self.stage!r}")
+        check_zero_stage(self.stage)
         if not self.bucket_mb > 0:
             raise AutospError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
         if self.shard != "mesh" and self.stage != 3:
@@ -132,8 +130,8 @@ class Runtime:
     reduce_grads: bool = True
 
     def __post_init__(self) -> None:
-        if self.compiler is not None and self.compiler not in COMPILERS:
-            raise AutospError(f"unknown compiler '{self.compiler}'; use one of {', '.join(COMPILERS)}")
+        if self.compiler is not None:
+            check_compiler(self.compiler)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,

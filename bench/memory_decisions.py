@@ -20,7 +20,7 @@ model in bf16, where that matters most (the norms' fp32 upcasts).
 see them; the bench then reads malloc's bytes in use (``mallinfo2``: its arenas' in-use blocks
 and its mapped ones; sampled every 0.2 ms during the step, less what was in use before it; the
 lowest of 3 steps), with glibc told to map every block above 64 KiB (``MALLOC_MMAP_THRESHOLD_``).
-The process's resident pages, read before, moved by 16 MiB between runs (see bench/README).
+The process's resident pages, read before, moved by 16 MiB between runs (see docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def _measure_rank(window: int, tokens: int, median: int, sigma: float, steps: in
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     batches = []
-    for _ in range(steps + 1):       # the first draw is set aside (the figures in bench/README.md skip it)
+    for _ in range(steps + 1):       # the first draw is set aside (the figures in docs/benchmarks.md skip it)
         docs = lognormal_documents(rng, tokens, median, sigma, window, 16)
         batches.append([{"input_ids": (ids := torch.randint(0, 1024, (1, n), generator=g)), "labels": ids,
                          "use_cache": False} for n in docs])

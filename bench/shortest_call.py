@@ -46,7 +46,7 @@ def run(dtype: str, limit_mib: int, steps: int = 2) -> dict:
             opt.step()
             opt.zero_grad()
     rep = sp.report()
-    return {"rows": rows, "compiler": rep.compiler, "plan_compiler": sp.plan.predicted.get("compiler"),
+    return {"rows": rows, "compiler": rep.compiler, "plan_compiler": sp.plan.predicted.compiler,
             "decisions": [(c.choice.strategy, c.choice.checkpoint, c.choice.mlp_chunks) for c in sp.plan.layers],
             "tokens_per_rank": [a.tokens_per_rank for a in rep.attention],
             "collectives": {k: v["calls"] for k, v in rep.collectives.items()}}

@@ -93,7 +93,7 @@ def test_the_docs_site_builds_with_warnings_as_errors(tmp_path):
 
 def test_the_gpu_offload_check_runs_dry_on_cpu(tmp_path):
     """``bench/gpu_check.py --only offload`` is ready for a lent GPU: its CPU dry run offloads what the
-    planner predicts for the same decisions, and writes every figure bench/README.md quotes."""
+    planner predicts for the same decisions, and writes every figure docs/benchmarks.md quotes."""
     import json
     import subprocess
     import sys

@@ -77,3 +77,47 @@ def test_files_stay_short_or_say_why(path):
     lines = path.read_text().splitlines()
     if len(lines) > 400:
         assert any("over 400 lines" in ln.lower() for ln in lines[:20]), f"{path} has {len(lines)} lines"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("autosp",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circles():
+    """No module of the package imports one that imports it back, however far round (function-level
+    imports count: a circle hidden in a function is still a circle in the design)."""
+    import networkx as nx
+
+    names = {_module_name(p): p for p in _modules()}
+    graph = nx.DiGraph()
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph.add_edges_from((name, t) for t in targets if t in names and t != name)
+    circles = sorted(nx.simple_cycles(graph), key=len)
+    assert not circles, f"{len(circles)} import circles, e.g. {' -> '.join(circles[0] + circles[0][:1])}"
+
+
+def test_predictions_are_read_as_typed_fields():
+    """A plan's prediction is a frozen dataclass: nothing in the package reads it by string key."""
+    offenders = [str(p.relative_to(ROOT)) for p in _modules()
+                 if any(s in p.read_text() for s in ('predicted["', "predicted['", "predicted.get("))]
+    assert not offenders, offenders
+
+
+def test_the_planning_entry_points_take_the_problem():
+    """``plan`` and ``max_seq_len`` take the one planning problem (and at most 3 other parameters)."""
+    import inspect
+
+    from autosp.planner.longest import max_seq_len
+    from autosp.planner.search import plan
+
+    for fn in (plan, max_seq_len):
+        params = list(inspect.signature(fn).parameters)
+        assert params[0] == "problem" and len(params) <= 4, (fn.__name__, params)

@@ -397,7 +397,7 @@ def test_the_plan_is_costed_for_the_compiler_that_runs_it(llama8b_4k):
     a bf16 hidden state at 453k tokens per rank. Inductor's longest length, 3,623,952, is where the
     host binds (the MLP's input kept: two hidden states per layer offloaded). Through aot_eager a
     layer recomputed with its tiled MLP runs its RMSNorms as one op each, which saves five hidden
-    states there (measured on the probe, bench/README.md), so one step longer still plans there,
+    states there (measured on the probe, docs/benchmarks.md), so one step longer still plans there,
     with one hidden state per layer on the host."""
     from autosp.costmodel.memory import hidden_bytes
     from autosp.costmodel.predict import step_peak
@@ -471,7 +471,6 @@ def test_without_host_memory_a_long_context_recomputes_the_tiled_mlp_with_its_la
     offload the planner recomputes the MLP with its layer (which keeps one hidden state), and the
     other choice does not fit."""
     from autosp.costmodel.memory import hidden_bytes, layer_saved
-    from autosp.costmodel.profile import load_profile
     from autosp.decisions import LayerChoice
     from autosp.planner.ilp import peak_bytes
     from autosp.planner.candidates import build_candidates

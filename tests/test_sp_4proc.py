@@ -257,7 +257,7 @@ def test_mesh_and_zero_stage_errors_name_the_fix(pool):
     assert "ZeRO stage must be 0, 1, 2 or 3" in msgs[2]
     assert "zero=3" in msgs[3] and "pass mesh=" in msgs[3]
     assert "contradicts" in msgs[4]
-    assert "not both" in msgs[5]
+    assert "takes no sp_size=" in msgs[5] and "sp_size: mesh=<SP degree>" in msgs[5]
     assert "zero=autosp.Zero(stage=0..3)" in msgs[6]
     assert "already wrapped with FSDP" in msgs[7] and "zero=2 or 3" in msgs[7]
     assert "node of 4 devices" in msgs[8] and "--devices-per-node 2" in msgs[8]

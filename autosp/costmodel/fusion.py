@@ -23,7 +23,7 @@ and dropping every fusible intermediate predicted 6-10% below it.
 
 from __future__ import annotations
 
-from autosp.costmodel.memory import dtype_bytes
+from autosp.costmodel.dtypes import dtype_bytes
 from autosp.graph import OpGraph, OpKind
 
 FUSIBLE_READERS = {OpKind.POINTWISE, OpKind.REDUCTION, OpKind.NORM}

@@ -31,13 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from autosp.costmodel.dtypes import DTYPE_BYTES, dtype_bytes  # noqa: F401 - where callers read them
 from autosp.graph import OpGraph, OpKind, evaluate
 
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
-
-
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES.get(dtype, 2)
 
 
 def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) -> dict[str, float]:

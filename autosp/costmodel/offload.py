@@ -10,15 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autosp.costmodel.phases import FIRST
 from autosp.costmodel.profile import HardwareProfile
-
-
-def offloaded_own(own: dict[str, float], kept: float) -> dict[str, float]:
-    """An offloaded layer's own phases (see :func:`autosp.costmodel.phases.peak_terms`): its kept
-    bytes back for its backward, beside the next one's in flight (the planner's shared term holds
-    one layer's); the class's first layer has none in flight after it."""
-    return {**{ph: v + kept for ph, v in own.items()}, **{ph + FIRST: v for ph, v in own.items()}}
 
 
 def copy_exposed(prof: HardwareProfile, kept: float, p: Any, layers: int, recompute_s: float) -> float:

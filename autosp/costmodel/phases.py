@@ -87,7 +87,7 @@ def own_bytes(graph: OpGraph, tokens: float, fp: str, checkpoint: str, mlp_chunk
     eager autograd saves it: ``aot_eager`` and, measured, Inductor hold that). There its RMSNorms
     run as one op each (:mod:`autosp.transform.fused_norm`), which ``aot_eager`` holds without their
     copies (:mod:`autosp.costmodel.fused_norm`); ``fused`` (Inductor) keeps the unfused count:
-    measured, Inductor's peak moved by a fifth of that or not at all (bench/README.md)."""
+    measured, Inductor's peak moved by a fifth of that or not at all (docs/benchmarks.md)."""
     none = layer_saved(graph, tokens, "none", 1, compiled=False)[fp]   # what its backward reads
     kept = layer_saved(graph, tokens, checkpoint, mlp_chunks, keep_mlp_input=keep_mlp_input)[fp]
     tiled = mlp_saved(graph, tokens, compiled=False)[fp]
@@ -128,15 +128,20 @@ def with_strategy_own(own: dict[str, float], strategy_own: float, workspace: flo
             "rest": own["rest"] + strategy_own + workspace}
 
 
+def offloaded_own(own: dict[str, float], kept: float) -> dict[str, float]:
+    """An offloaded layer's own phases (see :func:`peak_terms`): its kept
+    bytes back for its backward, beside the next one's in flight (the planner's shared term holds
+    one layer's); the class's first layer has none in flight after it."""
+    return {**{ph: v + kept for ph, v in own.items()}, **{ph + FIRST: v for ph, v in own.items()}}
+
+
 def decided_peak(graph: OpGraph, tokens: float, terms: dict[Any, float], choice: dict[str, tuple[str, int]],
                  attention_saved: dict[str, float] | None = None, offloaded: frozenset[str] = frozenset(),
                  fused: bool = False) -> float:
     """The largest memory constraint's value under per-class (checkpointing, MLP chunks[, keep the
     MLP's input]) choices;
     ``attention_saved``: per class, what the strategy keeps per layer (see :func:`strategy_saved`);
-    ``offloaded``: classes keeping it in host memory (:func:`autosp.costmodel.offload.offloaded_own`)."""
-    from autosp.costmodel.offload import offloaded_own
-
+    ``offloaded``: classes keeping it in host memory (:func:`offloaded_own`)."""
     extra = {fp: strategy_saved((attention_saved or {}).get(fp, 0.0), choice[fp][0]) for fp in graph.layer_classes}
     kept = {fp: layer_saved(graph, tokens, *choice[fp])[fp] + extra[fp]["kept"] for fp in graph.layer_classes}
     shared = sum((1 if fp in offloaded else lc.count) * kept[fp] for fp, lc in graph.layer_classes.items())

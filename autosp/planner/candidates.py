@@ -14,8 +14,9 @@ import itertools
 from dataclasses import replace
 
 from autosp.costmodel.memory import dtype_bytes, hidden_bytes, layer_saved, mlp_saved, model_states
-from autosp.costmodel.offload import copy_exposed, host_optimizer_bytes, host_optimizer_step, offloaded_own
-from autosp.costmodel.phases import first_layer_own, own_bytes, peak_terms, strategy_saved, with_strategy_own
+from autosp.costmodel.offload import copy_exposed, host_optimizer_bytes, host_optimizer_step
+from autosp.costmodel.phases import (first_layer_own, offloaded_own, own_bytes, peak_terms, strategy_saved,
+                                    with_strategy_own)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile
 from autosp.decisions import LayerChoice, MeshChoice, mlp_chunk_counts

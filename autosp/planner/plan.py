@@ -183,6 +183,10 @@ class Plan:
     solver: Solver | None = None
     schema: str = SCHEMA
 
+    def __post_init__(self) -> None:      # sequences given as lists: frozen here, as every field is
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "alternatives", tuple(self.alternatives))
+
     # ------------------------------------------------------------------ io
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

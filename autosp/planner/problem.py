@@ -19,10 +19,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autosp.costmodel.profile import HardwareProfile, load_profile
-from autosp.decisions import CHECKPOINTS, HIDDEN_SIZED, HOST_OPTIMIZERS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS
+from autosp.decisions import (CHECKPOINTS, HIDDEN_SIZED, HOST_OPTIMIZERS, LOSS_CHUNKS, MLP_CHUNKS, OFFLOADS,
+                              check_compiler, check_zero_stage)
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, capture
-from autosp.options import COMPILERS, Auto
+from autosp.options import Auto
 
 # The share of the memory limit a plan leaves free: the memory model's tolerance (its predicted
 # peaks are validated to within 5% of the measured ones), so that a plan predicted to fit fits.
@@ -115,10 +116,8 @@ class Problem:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise AutospError(f"world size must be at least 1, got {self.world_size}")
-        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
-            raise AutospError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.compiler not in COMPILERS:
-            raise AutospError(f"unknown compiler '{self.compiler}'; plan for one of {', '.join(COMPILERS)}")
+        check_zero_stage(self.zero_stage, none_ok=False)
+        check_compiler(self.compiler)
         if not 0.0 <= self.memory_margin < 1.0:
             raise AutospError(f"memory margin must be at least 0 and below 1 (a share of the limit), "
                               f"got {self.memory_margin}")

@@ -18,14 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autosp.decisions import Decisions
+from autosp.decisions import Decisions, check_zero_stage
 from autosp.errors import AutospError
 from autosp.options import Runtime, Zero
 from autosp.planner.plan import Plan
 from autosp.strategies import AUTO, check_spec, resolve
 from autosp.transform.backend import SPConfig, check_compiler, default_compiler
 from autosp.transform.zero.grad_reducer import GradReducer
-from autosp.transform.mesh import Mesh, check_zero_stage, mesh_for, mesh_from
+from autosp.transform.mesh import Mesh, mesh_for, mesh_from
 from autosp.transform.sequence_parallel import SequenceParallel, layer_paths, layout_for
 from autosp.transform.zero.shard import shard_parameters
 

@@ -37,6 +37,7 @@ from autosp.errors import AutospError
 from autosp.strategies.ring_region import register_scores
 from autosp.transform.region_atoms import (ELEMENTWISE, MATMUL, RESHAPING, SOFTMAX, VIEWS, Atoms, RegionAtoms,
                                            matmul_operands, op_name, region_shape, source_line, value_of)
+from autosp.transform.graph_pass import finish_pass
 
 
 @dataclass
@@ -234,10 +235,7 @@ def extract_regions(gm: fx.GraphModule) -> int:
         for n in reversed(f.nodes):
             if not n.users:
                 graph.erase_node(n)
-    if regions:
-        graph.lint()
-        gm.recompile()
-    return len(regions)
+    return finish_pass(gm, len(regions))
 
 
 # between the softmax and the value matmul: what a blockwise softmax may skip

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.decisions import Decisions, MeshChoice
+from autosp.decisions import check_compiler as check_compiler_name
 from autosp.errors import AutospError
 from autosp.options import COMPILERS
 from autosp.transform.attention_region import extract_regions
@@ -149,8 +150,7 @@ def default_compiler() -> str:
 
 def check_compiler(name: str) -> str:
     """The compiler to use for ``name``: Inductor needs a C++ compiler on CPU (else aot_eager, said once)."""
-    if name not in COMPILERS:
-        raise AutospError(f"unknown compiler '{name}'; use one of {', '.join(COMPILERS)}")
+    check_compiler_name(name)
     if name == "inductor" and not torch.cuda.is_available() and not any(
             shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         warnings.warn("no C++ compiler found for Inductor on this CPU machine; autosp compiles with "

@@ -26,6 +26,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from autosp.transform.graph_pass import finish_pass
+
 
 # Rows per block inside the op: the fp32 transients of one block at a time (1 / 8 of the tokens'),
 # so neither direction holds more than the unfused ops would; each row's result is the same bits.
@@ -188,10 +190,7 @@ def fuse_rms_norms(gm: fx.GraphModule, where: Callable[[fx.Node], bool] = lambda
         for n in reversed(chain):
             gm.graph.erase_node(n)
         fused += 1
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
-    return fused
+    return finish_pass(gm, fused)
 
 
 def fuse_layer_norms(gm: fx.GraphModule, layer_paths: list[str], fused: Callable[[int], bool]) -> dict[int, int]:

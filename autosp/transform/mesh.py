@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autosp.errors import AutospError
 
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -28,13 +27,6 @@ class Mesh:
     sp_degree: int
     dp_degree: int
     device_mesh: DeviceMesh | None = None
-
-
-def check_zero_stage(stage: int | None) -> None:
-    if stage is None or stage in ZERO_STAGES:
-        return
-    raise AutospError(f"zero_stage must be one of 0, 1, 2, 3 (or None: gradients summed over the SP group "
-                      f"only), got {stage!r}")
 
 
 def mesh_from(mesh: DeviceMesh) -> Mesh:

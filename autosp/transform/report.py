@@ -13,6 +13,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
+from autosp.strategies import SPMesh, resolve
+from autosp.strategies.collectives import TALLY
+from autosp.strategies.layout import work_per_rank
+from autosp.transform.observe import observed
+from autosp.transform.offload import HOST
+
 
 @dataclass
 class AttentionRow:
@@ -97,3 +105,59 @@ class SPReport:
         with console.capture() as cap:
             console.print(self)
         return cap.get()
+
+
+def report_of(sp: Any) -> SPReport:
+    """The report of ``sp`` (a :class:`autosp.transform.sequence_parallel.SequenceParallel`): what its
+    variant running now compiled, and what its graphs observed in the last step."""
+    step = getattr(sp, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
+    decisions = sp.config.decisions
+    layout = decisions.mesh.layout
+    mesh = SPMesh(sp.sp_degree, layout)
+    tiled = {layer: k for r in sp.state.reports for layer, k in r.mlp_chunks.items()}
+    fused = {layer: k for r in sp.state.reports for layer, k in r.fused_norms.items()}
+    rows = []
+    seen = observed(sp.group.group_name).attention_tokens
+    for i, (spec, (heads, kv)) in enumerate(zip(sp.state.strategies, sp.state.heads)):
+        if seen and i not in seen:
+            continue        # a graph that did not run in the last step (another length bucket's)
+        strat = resolve(spec)
+        u, r = strat.grid(mesh)
+        choice = decisions.layer(i)
+        nested = choice.checkpoint == "full" and tiled.get(i, 1) > 1 and (
+            sp.config.compiler == "eager" or not choice.mlp_region_of_its_own)
+        rows.append(AttentionRow(
+            index=i, strategy=spec, layout=layout, heads=heads, kv_heads=kv, ulysses_degree=u,
+            ring_degree=r, heads_per_rank=heads // u,
+            tokens_per_rank=seen.get(i, 0),    # observed as it ran
+            checkpoint=choice.checkpoint, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
+            fused_norms=fused.get(i, 0)))
+    groups = {v for kw in sp.strategy_setups.values() for v in kw.values()} | {sp.group.group_name}
+    if sp.mesh is not None:
+        groups.add(sp.mesh.whole.group_name)
+    groups.update(sp.param_groups)
+    groups.add(HOST)                      # offload's copies to and from host memory
+    counts: dict[str, dict[str, float]] = {}
+    for (group, kind), (calls, sent, waited) in TALLY.items():
+        before = step["tally"].get((group, kind), (0, 0, 0.0))
+        if group in groups and calls > before[0]:
+            c = counts.setdefault(kind, {"calls": 0, "bytes": 0, "blocked_s": 0.0})
+            c["calls"] += calls - before[0]
+            c["bytes"] += sent - before[1]
+            c["blocked_s"] += waited - before[2]
+    return SPReport(sp_degree=sp.sp_degree, dp_degree=sp.mesh.dp_degree if sp.mesh else 1,
+                    zero_stage=sp.zero_stage,
+                    grad_buckets=len(sp.reducer.buckets) if sp.reducer else 0,
+                    param_gathers=sum(r.param_gathers for r in sp.state.reports),
+                    param_prefetched=sum(r.param_prefetched for r in sp.state.reports),
+                    seq_len=step["seq_len"], padded_len=step["padded_len"],
+                    compiled_graphs=len(sp.state.reports), compiler=sp.config.compiler,
+                    attention=rows, collectives=counts,
+                    work_per_rank=work_per_rank(step["positions"], layout, sp.sp_degree)
+                    if "positions" in step else [],
+                    plans=len(sp._plans), compiled_variants=max(len(sp._variants), 1),
+                    loss_tokens=_loss_tokens(observed(sp._loss_group_name).loss_tokens))
+
+
+def _loss_tokens(count: torch.Tensor | None) -> int | None:
+    return None if count is None else int(count.item())

@@ -25,21 +25,20 @@ from autosp.decisions import Decisions
 from autosp.errors import AutospError
 from autosp.graph.build import find_blocks
 from autosp.graph.hf_compat import install_output_hooks, is_hf_model, unpacked_positions
-from autosp.strategies import AUTO, SPMesh, required_layout, resolve
+from autosp.strategies import AUTO, required_layout, resolve
 from autosp.strategies.collectives import TALLY
-from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced, work_per_rank
+from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced
 from autosp.transform.backend import BackendState, SPConfig, make_backend
 from autosp.transform.first_call import (check_deepspeed_groups, check_first_call, check_same_batch,
                                          optimizer_placement_warning, refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
-from autosp.transform.observe import new_step, observed
+from autosp.transform.observe import new_step
 from autosp.transform.host_optimizer import HostOptimizer
-from autosp.transform.offload import HOST
 from autosp.transform.zero.gather import refresh_shards
 from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh
-from autosp.transform.report import AttentionRow, SPReport
+from autosp.transform.report import SPReport, report_of
 
 # What Dynamo may keep constant while every tensor dim is symbolic (dynamic=True). Python ints: HF's
 # logits_to_keep=0 must read as "keep all". Python floats (a norm's eps, rotary scaling, a
@@ -145,6 +144,13 @@ class SequenceParallel(nn.Module):
     def state(self) -> BackendState:
         return self._active.state
 
+    @property
+    def strategy_setups(self) -> dict[str, dict[str, Any]]:
+        """Each strategy's runtime arguments (its process groups) in the variant running now: those
+        its decisions name, and those the sharding pass set up for strategies the default picked."""
+        return {**{k: dict(v) for k, v in self.config.runtime.items()},
+                **{k: dict(v) for r in self.state.reports for k, v in r.setups.items()}}
+
     def _run(self, decisions: Decisions) -> None:
         """Make the variant for ``decisions`` the one that runs (compiled lazily, at its first call)."""
         if decisions not in self._variants:
@@ -207,54 +213,7 @@ class SequenceParallel(nn.Module):
     def report(self) -> SPReport:
         """What autosp did to this model: per attention op and, for the last step (since its
         forward began), the collectives issued and the padding added."""
-        step = getattr(self, "_step", {"seq_len": 0, "padded_len": 0, "tally": {}})
-        decisions = self.config.decisions
-        layout = decisions.mesh.layout
-        mesh = SPMesh(self.sp_degree, layout)
-        tiled = {layer: k for r in self.state.reports for layer, k in r.mlp_chunks.items()}
-        fused = {layer: k for r in self.state.reports for layer, k in r.fused_norms.items()}
-        rows = []
-        seen = observed(self.group.group_name).attention_tokens
-        for i, (spec, (heads, kv)) in enumerate(zip(self.state.strategies, self.state.heads)):
-            if seen and i not in seen:
-                continue        # a graph that did not run in the last step (another length bucket's)
-            strat = resolve(spec)
-            u, r = strat.grid(mesh)
-            choice = decisions.layer(i)
-            nested = choice.checkpoint == "full" and tiled.get(i, 1) > 1 and (
-                self.config.compiler == "eager" or not choice.mlp_region_of_its_own)
-            rows.append(AttentionRow(
-                index=i, strategy=spec, layout=layout, heads=heads, kv_heads=kv, ulysses_degree=u,
-                ring_degree=r, heads_per_rank=heads // u,
-                tokens_per_rank=seen.get(i, 0),    # observed as it ran
-                checkpoint=choice.checkpoint, mlp_chunks=tiled.get(i, 1), mlp_with_layer=nested, overlap=strat.overlap,
-                fused_norms=fused.get(i, 0)))
-        setups = [*self.config.runtime.values(), *(kw for r in self.state.reports for kw in r.setups.values())]
-        groups = {v for kw in setups for v in kw.values()} | {self.group.group_name}
-        if self.mesh is not None:
-            groups.add(self.mesh.whole.group_name)
-        groups.update(self.param_groups)
-        groups.add(HOST)                      # offload's copies to and from host memory
-        counts: dict[str, dict[str, float]] = {}
-        for (group, kind), (calls, sent, waited) in TALLY.items():
-            before = step["tally"].get((group, kind), (0, 0, 0.0))
-            if group in groups and calls > before[0]:
-                c = counts.setdefault(kind, {"calls": 0, "bytes": 0, "blocked_s": 0.0})
-                c["calls"] += calls - before[0]
-                c["bytes"] += sent - before[1]
-                c["blocked_s"] += waited - before[2]
-        return SPReport(sp_degree=self.sp_degree, dp_degree=self.mesh.dp_degree if self.mesh else 1,
-                        zero_stage=self.zero_stage,
-                        grad_buckets=len(self.reducer.buckets) if self.reducer else 0,
-                        param_gathers=sum(r.param_gathers for r in self.state.reports),
-                        param_prefetched=sum(r.param_prefetched for r in self.state.reports),
-                        seq_len=step["seq_len"], padded_len=step["padded_len"],
-                        compiled_graphs=len(self.state.reports), compiler=self.config.compiler,
-                        attention=rows, collectives=counts,
-                        work_per_rank=work_per_rank(step["positions"], layout, self.sp_degree)
-                        if "positions" in step else [],
-                        plans=len(self._plans), compiled_variants=max(len(self._variants), 1),
-                        loss_tokens=_loss_tokens(observed(self._loss_group_name).loss_tokens))
+        return report_of(self)
 
     @contextlib.contextmanager
     def graph_hook(self, hook: Callable[[], ContextManager]) -> Iterator[None]:
@@ -406,7 +365,3 @@ def _own_errors() -> Iterator[None]:
         if inner is None:
             raise
         raise AutospError(str(inner)) from None
-
-
-def _loss_tokens(count: torch.Tensor | None) -> int | None:
-    return None if count is None else int(count.item())

@@ -59,6 +59,7 @@ from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import gather_seq, slice_seq
 from autosp.transform.attention_region import REGION_TARGETS
+from autosp.transform.graph_pass import finish_pass
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.observe import observe_tokens
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
@@ -274,8 +275,7 @@ class Sharder:
         self.report.shared_replicated = share_replicated_gradients(self.graph, self.place, self.ctx.world)
         for n, dims in self.place.items():     # read by later passes (tiled_mlp.py): which dims are tokens
             n.meta["autosp_seq"] = dims
-        self.graph.lint()
-        self.gm.recompile()
+        finish_pass(self.gm, 1)     # every graph is sharded: it changed
         return self.report
 
     def _slice_activations_at_entry(self) -> set[fx.Node]:
@@ -306,8 +306,7 @@ class Sharder:
         self.report.replicated_params = len(params)
         if params and self.ctx.world > 1 and not self.ctx.reduce_grads:
             self._route_inputs(params, share_grad, self.ctx.world)
-            self.graph.lint()
-            self.gm.recompile()
+            finish_pass(self.gm, len(params))
         return self.report
 
     def _no_baked_parameters(self) -> None:

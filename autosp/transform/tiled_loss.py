@@ -27,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from autosp.strategies.collectives import all_reduce_sum
 from autosp.transform.loss import all_reduce_count, sharded_cross_entropy
 from autosp.transform.tiled_mlp import token_split
+from autosp.transform.graph_pass import finish_pass
 
 _LINEAR = {torch._C._nn.linear, F.linear}
 # What may stand between the head and the loss: views and dtype casts, nothing that computes.
@@ -159,7 +160,4 @@ def tile_head_loss(gm: fx.GraphModule, chunks: int, group_name: str, aot: bool =
             if not x.users:
                 gm.graph.erase_node(x)
         tiled += 1
-    if tiled:
-        gm.graph.lint()
-        gm.recompile()
-    return tiled
+    return finish_pass(gm, tiled)

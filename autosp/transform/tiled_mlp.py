@@ -36,6 +36,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from autosp.transform.graph_pass import finish_pass
+
 # Token-wise by construction: linear layers and elementwise math (HF's activations among them).
 _LINEAR = {torch._C._nn.linear, F.linear}
 _POINTWISE_FUNCTIONS = {F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.mish, F.softplus, F.leaky_relu, F.elu,
@@ -246,7 +248,4 @@ def tile_mlps(gm: fx.GraphModule, chunks: int | Callable[[int], int], layer_path
         for n in reversed(nodes):
             gm.graph.erase_node(n)
         tiled += 1
-    if tiled:
-        gm.graph.lint()
-        gm.recompile()
-    return tiled
+    return finish_pass(gm, tiled)

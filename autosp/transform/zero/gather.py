@@ -43,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.errors import AutospError
 from autosp.strategies.collectives import blocked, resolve_group, tally
+from autosp.transform.graph_pass import finish_pass
 
 GATHER_KIND = "param_all_gather"        # the tally's names (report.collectives) for these collectives
 REDUCE_KIND = "grad_reduce_scatter"
@@ -349,8 +350,7 @@ def bucket_gathers(gm: fx.GraphModule, layer_paths: list[str]) -> int:
             for user in list(g.users):        # getitem(g, 0) -> getitem(bucket, k)
                 user.args = (bucket, k)
             gm.graph.erase_node(g)
-    gm.graph.lint()
-    gm.recompile()
+    finish_pass(gm, 1)          # the gathers were bucketed: the graph changed
     return len(gather_nodes(gm))
 
 

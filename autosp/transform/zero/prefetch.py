@@ -33,6 +33,7 @@ from torch import Tensor
 from autosp.strategies.collectives import resolve_group, tally, wait_all
 from autosp.transform.zero.gather import (GATHER_KIND, REDUCE_KIND, _row_numel, _rows_per_rank, _unpack, flat_grads,
                                     flat_shards, gather_nodes, split_row, sum_over_replicas)
+from autosp.transform.graph_pass import finish_pass
 
 # Buffers in flight by data pointer: (the work to wait for, what it sends or where it lands).
 _IN_FLIGHT: dict[int, tuple[Any, Tensor | None]] = {}
@@ -178,6 +179,5 @@ def prefetch_gathers(gm: fx.GraphModule) -> int:
         g.replace_all_uses_with(finish)
         gm.graph.erase_node(g)
         previous_finish = finish
-    gm.graph.lint()
-    gm.recompile()
+    finish_pass(gm, 1)          # the gathers were rewritten: the graph changed
     return max(0, len(gathers) - 1)
