@@ -1,15 +1,15 @@
 """``autosp.compile(model, plan="auto")``: plan for the real batch on the first call, then apply.
 
-The planner runs once, on the SP group's first rank, for the shape of the first batch
-and the profile of the machine (``cpu-gloo`` on CPU; the H100/H200/A100 profile on
-those GPUs); the plan is broadcast to the other ranks and cached on disk by model
-fingerprint, world size, sequence length and profile (``$XDG_CACHE_HOME/autosp/plans``),
-so a restarted job skips planning. The SP degree is the group's; the planner picks
-the attention strategy and activation checkpointing per layer and the token layout at the
-least predicted time under a memory limit: ``autosp.compile(memory_limit=...)`` in bytes,
-by default the device's (a GPU's capacity; on CPU the available RAM shared by the ranks
-on this machine).
-Devices per node come from the launch (``LOCAL_WORLD_SIZE``), else from the profile.
+The planner runs once per batch shape, on the SP group's first rank: it builds the planning
+problem (:class:`autosp.planner.problem.Problem`) from the batch's shape, the machine's profile
+(``cpu-gloo`` on CPU; the H100/H200/A100 profile on those GPUs), the memory limit
+(``autosp.compile(memory_limit=...)``; by default the device's memory less what the runtime holds:
+a GPU's capacity, on CPU the available RAM shared by the ranks on this machine), the ZeRO stage and
+compiler that will run the step, and the space ``autosp.Auto`` leaves open; devices per node come
+from the launch (``LOCAL_WORLD_SIZE``), else from the profile. The plan is broadcast to the other
+ranks and cached on disk under a name derived from the whole problem
+(:meth:`Problem.key <autosp.planner.problem.Problem.key>`, in ``$XDG_CACHE_HOME/autosp/plans``), so a
+restarted job skips planning.
 """
 
 from __future__ import annotations

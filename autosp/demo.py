@@ -54,7 +54,8 @@ def run_demo(model: str = "llama3-8b", seq_len: int = 131072, steps: int = 3, tr
     graph = capture(model, seq_len=seq_len)
     console.print(inspect_table(graph))
     console.print("\n[bold]   its plan on 8 H100s (published profile, ZeRO 3)[/bold]")
-    for item in plan_table(plan(Problem.of(graph=graph, seq_len=seq_len, world_size=8, profile="h100-sxm", zero_stage=3))):
+    for item in plan_table(plan(Problem.of(graph=graph, seq_len=seq_len, world_size=8, profile="h100-sxm",
+                                           zero_stage=3))):
         console.print(item)
 
     console.print(f"\n[bold]2. tiny Llama, {steps} AdamW steps at {train_seq_len} tokens: autosp on {world} "

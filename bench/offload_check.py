@@ -138,7 +138,11 @@ def offload_check(dry: bool = False, tokens: int = 131072, layers: int = 4, chun
         opt = sp.optimizer(torch.optim.AdamW, lr=1e-5)
         _step(sp, ids, opt, dry)                          # compiles; the optimizer's states exist after it
         seconds, peak, host, stepped = _step(sp, ids, opt, dry)
-        pred = autosp.plan(autosp.Problem.of(graph=graph, seq_len=tokens, world_size=1, profile=profile, memory_limit=float("inf"), checkpoints=("full",), mlp_chunks=(chunks,), loss_chunks=(chunks,), offloads=(offload,), dtype=str(dtype).removeprefix("torch."), compiler=compiler, host_optimizers=(offload,)))
+        pred = autosp.plan(autosp.Problem.of(graph=graph, seq_len=tokens, world_size=1, profile=profile,
+                                             memory_limit=float("inf"), checkpoints=("full",), mlp_chunks=(chunks,),
+                                             loss_chunks=(chunks,), offloads=(offload,),
+                                             dtype=str(dtype).removeprefix("torch."), compiler=compiler,
+                                             host_optimizers=(offload,)))
         copies = sp.report().as_dict()["collectives"]
         states = pred.predicted.host_optimizer_bytes
         out["offload" if offload else "kept"] = {

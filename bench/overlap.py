@@ -254,7 +254,9 @@ def predicted(graph, world: int, seq_len: int, specs: list[str], alone: dict[str
                      p_now.attention_exposed_bwd_s)
     chosen = {}
     for family in ("ulysses", "allgather_kv"):
-        best = plan(Problem.of(graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,), checkpoints=("none",), strategies=(family,), memory_limit=float("inf"), devices_per_node=world))
+        best = plan(Problem.of(graph=graph, seq_len=seq_len, world_size=world, profile=prof, sp_degrees=(world,),
+                               checkpoints=("none",), strategies=(family,), memory_limit=float("inf"),
+                               devices_per_node=world))
         chosen[family] = best.layers[0].choice.strategy
     return out, chosen
 

@@ -123,9 +123,13 @@ def planned(world: int, seq: int, heads: int, kv: int, hidden: int, cap_mib: flo
     g = capture(ModelSource(f"tiny-h{heads}-kv{kv}-d{hidden}", hf_config=config(heads, kv, hidden)), seq_len=seq,
                 dtype="float32")
     if cap_mib is None:
-        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,), checkpoints=("none",), memory_limit=float("inf"), devices_per_node=world))   # as the launch says
+        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
+                            checkpoints=("none",), memory_limit=float("inf"),
+                            devices_per_node=world))   # as the launch says
     else:
-        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,), memory_limit=cap_mib * 2**20, devices_per_node=world, strategies=tuple(CAPPED_STRATEGIES)))
+        p = plan(Problem.of(graph=g, seq_len=seq, world_size=world, profile="cpu-gloo", sp_degrees=(world,),
+                            memory_limit=cap_mib * 2**20, devices_per_node=world,
+                            strategies=tuple(CAPPED_STRATEGIES)))
     layer = p.layers[0]
     spec = layer.choice.strategy
     # the plan's token layout is part of the pick (all-gather-KV may be planned on zigzag)

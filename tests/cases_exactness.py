@@ -101,7 +101,9 @@ def toy_strategy_compare(seq_len: int = 32) -> dict[str, Any]:
     register(toy_strategy.ToyAllGatherAllReduce)         # idempotent: the pool may have run this before
     forced = train_compare("llama", seq_len=seq_len, steps=2, strategy=toy_strategy.FAMILY, heads=4, kv=2)
     world = dist.get_world_size()
-    p = autosp.plan(autosp.Problem.of(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo", dtype="float32", strategies=(toy_strategy.FAMILY,), sp_degrees=(world,)))
+    p = autosp.plan(autosp.Problem.of(build("llama", heads=4, kv=2), seq_len=seq_len, batch_size=2,
+                                      world_size=world, profile="cpu-gloo", dtype="float32",
+                                      strategies=(toy_strategy.FAMILY,), sp_degrees=(world,)))
     planned = train_compare("llama", seq_len=seq_len, steps=2, plan=p, heads=4, kv=2)
     return {"forced": forced, "planned": planned, "plan_strategies": [layer.choice.strategy for layer in p.layers]}
 

@@ -45,7 +45,9 @@ def memory_budget_compare(seq_len: int = 256) -> dict[str, Any]:
 
     world = dist.get_world_size()
     graph = capture(build("llama"), seq_len=seq_len, batch_size=2, dtype="float32")
-    peak = {k: plan(Problem.of(graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo", sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler(), memory_limit=float("inf"))).predicted.peak_bytes
+    peak = {k: plan(Problem.of(graph=graph, seq_len=seq_len, batch_size=2, world_size=world, profile="cpu-gloo",
+                               sp_degrees=(world,), checkpoints=(k,), mlp_chunks=(1,), compiler=default_compiler(),
+                               memory_limit=float("inf"))).predicted.peak_bytes
             for k in ("none", "full")}
     limit = (peak["none"] + peak["full"]) / 2
     import os

@@ -82,7 +82,8 @@ def llama8b_4k():
 
 def test_heads_that_do_not_divide_get_ring_or_hybrid(tiny6):
     # SP degree 4 with 6 heads: a plan, not an error, and never Ulysses over all 4 ranks.
-    p = plan(Problem.of(graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,)))
+    p = plan(Problem.of(graph=tiny6, seq_len=4096, world_size=4, devices_per_node=8, profile="h100-sxm",
+                        sp_degrees=(4,)))
     assert p.mesh.sp_degree == 4
     allowed = {"ring", "zigzag_ring", "allgather_kv", "allgather_kv:overlap", "hybrid:2x2"}
     assert {layer.choice.strategy for layer in p.layers} <= allowed
@@ -179,7 +180,8 @@ def test_the_planner_plans_the_models_the_transform_runs(kind):
     if kind in ("mixtral", "qwen2_moe"):                   # experts' grouped matmuls carry their FLOPs
         grouped = [op for op in g.nodes(phase="fwd", kind=OpKind.MATMUL) if "grouped_mm" in op.target]
         assert len(grouped) == 4 and all(op.flops != 0 for op in grouped)
-    p = plan(Problem.of(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,), graph=g))
+    p = plan(Problem.of(_hf(kind), seq_len=64, world_size=2, profile="cpu-gloo", dtype="float32", sp_degrees=(2,),
+                        graph=g))
     assert p.mesh.sp_degree == 2 and p.decisions().layer(0).strategy.split(":")[0] in ("ulysses", "ring", "zigzag_ring", "allgather_kv")
 
 
@@ -290,7 +292,8 @@ def test_ulysses_is_planned_on_the_contiguous_layout():
     g = _bench_llama_graph()
     prof = load_profile("cpu-gloo")
     for mib in (200, 160):
-        p = plan(Problem.of(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32", memory_limit=mib * 2**20))
+        p = plan(Problem.of(graph=g, seq_len=16384, world_size=2, profile="cpu-gloo", dtype="float32",
+                            memory_limit=mib * 2**20))
         # Ulysses, pipelined in head groups or not (the measured best at 16k on 2 ranks: 2 groups)
         assert p.mesh.layout == "contiguous" and {layer.choice.strategy.split(":")[0] for layer in p.layers} == {"ulysses"}, \
             (mib, p.layers)
@@ -354,7 +357,8 @@ def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behi
 
     g = capture("llama3-70b", seq_len=4096)
     kw = dict(seq_len=131072, devices_per_node=8, zero_stage=3)
-    p = plan(Problem.of(graph=g, profile="h100-sxm", checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,), sp_degrees=(64,), world_size=64, **kw))
+    p = plan(Problem.of(graph=g, profile="h100-sxm", checkpoints=("none",), mlp_chunks=(1,), loss_chunks=(1,),
+                        sp_degrees=(64,), world_size=64, **kw))
     (layer,) = p.layers
     prof = load_profile("h100-sxm")
     again = predict(g, prof, sp=64, strategy=layer.choice.strategy, layout=p.mesh.layout, dp=1, zero_shard=p.mesh.zero_shard, **kw)
@@ -572,10 +576,12 @@ def test_the_planner_deals_chunks_from_the_documents_where_that_pays(tiny6):
     from autosp.strategies.ring_costs import blockwise_kernel_calls
 
     docs = (1024,) * 8 + (24576,)
-    p = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,), documents=docs))
+    p = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
+                        sp_degrees=(4,), documents=docs))
     assert p.mesh.layout == "balanced", p.mesh
     assert any(a.mesh.layout == "zigzag" and a.total_s > p.predicted.total_s for a in p.alternatives)
-    plain = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm", sp_degrees=(4,)))
+    plain = plan(Problem.of(graph=tiny6, seq_len=32768, world_size=4, devices_per_node=8, profile="h100-sxm",
+                            sp_degrees=(4,)))
     assert plain.mesh.layout == "zigzag"
     shape = AttentionShape(heads=6, kv_heads=2, head_dim=16, seq_len=32768, causal=True, masked=True, documents=docs)
     tiles = {lay: [calls[0].count for calls in blockwise_kernel_calls(shape, SPMesh(4, lay), 6, 4)]

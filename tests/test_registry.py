@@ -37,7 +37,8 @@ def test_registered_strategy_is_costed_from_its_own_declaration(toy, tiny):
 def test_planner_chooses_among_registered_strategies(toy, tiny):
     shape = AttentionShape(heads=8, kv_heads=4)
     assert toy in {s.spec for s in candidates(SPMesh(2), shape)}
-    p = autosp.plan(autosp.Problem.of(graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,), strategies=(toy,)))
+    p = autosp.plan(autosp.Problem.of(graph=tiny, seq_len=4096, world_size=2, profile="h100-sxm", sp_degrees=(2,),
+                                      strategies=(toy,)))
     assert [layer.choice.strategy for layer in p.layers] == [toy]
     # Runner-ups come from the solver (no-good cuts): other layouts, checkpointing, tiling and offload, each once.
     assert p.solver.solves == len(p.alternatives) + 1 >= 2

@@ -228,10 +228,10 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     assert "adds a learned tensor to its scores" in msg and "head_bias" in msg, msg
     # a score function that mixes heads: no strategy splits it safely; the op and line are named
     msg = run_ok(pool, "expect_error", kind="handwritten_mixing", strategy="ulysses")[0]
-    assert "written by hand" in msg and "(mean at" in msg and "dist_cases.py" in msg, msg
+    assert "written by hand" in msg and "(mean at" in msg and "dist_models.py" in msg, msg
     # scores by einsum: no region is found, and the first call says what it saw and the fix
     msg = run_ok(pool, "expect_error", kind="handwritten_einsum", strategy="ulysses")[0]
-    assert "no attention autosp can shard" in msg and "softmax (" in msg and "dist_cases.py" in msg, msg
+    assert "no attention autosp can shard" in msg and "softmax (" in msg and "dist_models.py" in msg, msg
     assert "scaled_dot_product_attention" in msg, msg
 
 
@@ -483,7 +483,7 @@ def test_auto_plan_is_exact_and_cached(pool, tmp_path):
         # keyed by profile, memory budget (MiB), the checkpointing modes and MLP / loss chunks it could
         # choose, and the compiler its memory was costed for: the pool's, which the wrapper passed on
         assert r["plan_layers"] and r["cached"] and "-cpu-gloo-m" in r["cached"][0]
-        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-hidden-l1-8-64-256-aot_eager.json"), r["cached"]
+        assert r["cached"][0].endswith("-none-selective-full-c1-8-32-hidden-l1-8-64-256-sp2-aot_eager.json"), r["cached"]
         assert r["plan_compiler"] == "aot_eager"
 
 

@@ -212,7 +212,7 @@ def make_backend(config: SPConfig, state: BackendState | None = None) -> Callabl
         layer_paths = list(config.layer_paths)
         ctx = ShardContext(
             group_name=group.group_name, world=dist.get_world_size(group), rank=dist.get_rank(group),
-            decisions=decisions, layout=mesh.layout, gather_outputs=config.gather_outputs,
+            decisions=decisions, gather_outputs=config.gather_outputs,
             runtime=config.runtime, attention_offset=state.attention_ops, reduce_grads=config.reduce_grads,
             loss_group_name=loss_group.group_name, loss_ranks=dist.get_world_size(loss_group),
             seq_len=state.seq_len)

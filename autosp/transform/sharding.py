@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autosp.decisions import Decisions
+from autosp.decisions import Decisions, MeshChoice
 from autosp.errors import AutospError
 from autosp.strategies import AttentionShape, SPMesh, pick
 from autosp.strategies.collectives import resolve_group
@@ -89,9 +89,8 @@ class ShardContext:
     group_name: str
     world: int
     rank: int
-    # the decisions applied: attention op i runs decisions.layer(i).strategy
-    decisions: Decisions = Decisions()
-    layout: str = "contiguous"
+    # the decisions applied: attention op i runs decisions.layer(i).strategy, in the mesh's token layout
+    decisions: Decisions = Decisions(mesh=MeshChoice(layout="contiguous"))
     # runtime keyword arguments per strategy spec (process groups), from Strategy.setup: read-only
     # here; a strategy the default choice picks in the pass is set up there (ShardReport.setups)
     runtime: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -108,6 +107,10 @@ class ShardContext:
     seq_len: int = 0                      # the padded length of the batch being compiled for
     loss_group_name: str = ""             # "" = group_name
     loss_ranks: int = 0                   # ranks in that group (0 = world)
+
+    @property
+    def layout(self) -> str:
+        return self.decisions.mesh.layout or "contiguous"
 
     @property
     def loss_group(self) -> str:
