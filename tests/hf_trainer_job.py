@@ -44,7 +44,7 @@ def main(out_dir: str, role: str) -> None:
         sp = trainer.sp_model
         rep = sp.report().as_dict()
         out.update(rank=dist.get_rank(), strategies=[a["strategy"] for a in rep["attention"]],
-                   planned=sp.plan.decisions().strategy if sp.plan is not None else None,
+                   planned=[c.strategy for c in sp.plan.per_layer()] if sp.plan is not None else None,
                    tokens_per_rank=[a["tokens_per_rank"] for a in rep["attention"]],
                    collectives={k: c["calls"] for k, c in rep["collectives"].items()},
                    wrapped=type(trainer.model_wrapped).__name__,
