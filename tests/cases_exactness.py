@@ -187,6 +187,17 @@ def batches_differ_across_ranks() -> dict[str, Any]:
         out["error"] = str(e)
     ids, labels = _batch(2, 2, 32, False)
     out["after"] = _loss(sp, "reference", ids, labels).item()
+    # planned at the first call: the rank whose length falls in a new bucket would plan (a
+    # broadcast) while the other runs its graphs; both wait for the check first, and refuse
+    planned = autosp.compile(build("reference"))
+    ids, labels = _batch(0, 2, 32, False)
+    _loss(planned, "reference", ids, labels)
+    ids, labels = _batch(1, 2, 32 + 8 * dist.get_rank(), False)
+    try:
+        _loss(planned, "reference", ids, labels)
+        out["planned_error"] = ""
+    except AutospError as e:
+        out["planned_error"] = str(e)
     return out
 
 

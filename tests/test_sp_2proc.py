@@ -241,6 +241,7 @@ def test_ranks_of_an_sp_group_passing_different_batches_are_refused(pool):
         assert "passed different batches (rank 0: 2 x 32, rank 1: 2 x 40 tokens)" in r["error"], r
         assert "split the loader over the data-parallel dimension only" in r["error"], r
         assert r["first"] > 0 and r["after"] > 0, r
+        assert "passed different batches (rank 0: 2 x 32, rank 1: 2 x 40 tokens)" in r["planned_error"], r
 
 
 def test_registered_torch_compile_backend(pool):

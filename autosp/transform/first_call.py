@@ -119,18 +119,40 @@ def check_deepspeed_groups(group: dist.ProcessGroup) -> None:
                       "must reduce gradients over every rank")
 
 
-def check_same_batch(group: dist.ProcessGroup, named: dict[str, Any], seq_len: int) -> None:
+class BatchCheck:
     """Every rank of an SP group passes the same batch: a rank with another shape would plan and
     compile other graphs, and its collectives would pair with another length's (a hang, or wrong
-    numbers). Checked every step, one all-gather of two integers, before anything is compiled."""
-    ids = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
-    device = ids.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor([ids.shape[0], seq_len], dtype=torch.long, device=device)
-    every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    shapes = [tuple(every[i:i + 2].tolist()) for i in range(0, every.numel(), 2)]
-    if len(set(shapes)) > 1:
-        seen = ", ".join(f"rank {r}: {b} x {s}" for r, (b, s) in enumerate(shapes))
-        raise AutospError(f"the ranks of an SP group passed different batches ({seen} tokens); every rank of an "
-                          "SP group must pass the same batch: give each SP group one data shard (split the "
-                          "loader over the data-parallel dimension only)")
+    numbers). Each step starts one all-gather of two integers (batch size, length) as it begins,
+    without waiting (:meth:`start`); the wrapper prepares the batch meanwhile and waits for it
+    (:meth:`wait`) before any other collective: before planning a new batch shape and before the
+    compiled graphs run. Every rank starts it every step, so the collectives always pair."""
+
+    def __init__(self, group: dist.ProcessGroup, shape: tuple[int, int], device: torch.device) -> None:
+        self.group = group
+        self.mine = torch.tensor(shape, dtype=torch.long, device=device)
+        self.every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.long, device=device)
+        self.work: Any = dist.all_gather_into_tensor(self.every, self.mine, group=group, async_op=True)
+
+    @classmethod
+    def start(cls, group: dist.ProcessGroup, named: dict[str, Any], seq_len: int) -> "BatchCheck":
+        ids = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+        device = ids.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+        return cls(group, (ids.shape[0], seq_len), device)
+
+    def wait(self) -> None:
+        """Refuse a step whose ranks passed different batches (once the all-gather is in)."""
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        shapes = [tuple(self.every[i:i + 2].tolist()) for i in range(0, self.every.numel(), 2)]
+        if len(set(shapes)) > 1:
+            seen = ", ".join(f"rank {r}: {b} x {s}" for r, (b, s) in enumerate(shapes))
+            raise AutospError(f"the ranks of an SP group passed different batches ({seen} tokens); every rank of "
+                              "an SP group must pass the same batch: give each SP group one data shard (split the "
+                              "loader over the data-parallel dimension only)")
+
+
+def check_same_batch(group: dist.ProcessGroup, named: dict[str, Any], seq_len: int) -> None:
+    """:class:`BatchCheck` started and waited for at once."""
+    BatchCheck.start(group, named, seq_len).wait()

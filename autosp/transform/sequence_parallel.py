@@ -29,7 +29,7 @@ from autosp.strategies import AUTO, required_layout, resolve
 from autosp.strategies.collectives import TALLY
 from autosp.strategies.layout import check_layout, deal_balanced, n_chunks, set_balanced
 from autosp.transform.backend import BackendState, SPConfig, make_backend
-from autosp.transform.first_call import (check_deepspeed_groups, check_first_call, check_same_batch,
+from autosp.transform.first_call import (BatchCheck, check_deepspeed_groups, check_first_call,
                                          optimizer_placement_warning, refuse_partitioned_parameters)
 from autosp.transform.batch import documents_of, pad_seq, positions_from_cu_seqlens, trim
 from autosp.transform.zero.deepspeed import is_leaf_gradient_hook, run_after_backward
@@ -237,12 +237,12 @@ class SequenceParallel(nn.Module):
         bound = self._signature.bind_partial(*args, **kwargs)
         named = bound.arguments
         seq_len = self._sequence_length(named)
-        if self.sp_degree > 1:
-            check_same_batch(self.group, named, seq_len)
+        # started now, waited for before any other collective (planning, the compiled graphs)
+        batch_check = BatchCheck.start(self.group, named, seq_len) if self.sp_degree > 1 else None
         if cu_seqlens is not None:
             self._positions_from(cu_seqlens, named, seq_len)
         if self.plan_provider is not None:
-            self._plan_now(named, seq_len)
+            self._plan_now(named, seq_len, batch_check)
         if self.zero_stage == 3:
             refresh_shards(self.module)
         if self.plan is not None and self.plan_provider is None:
@@ -265,6 +265,8 @@ class SequenceParallel(nn.Module):
             named["use_cache"] = False       # a KV cache concatenates along the sharded dim
         with unpacked_positions(self._is_hf and "position_ids" not in named), \
                 torch._dynamo.config.patch(**TRACE_OPTIONS), _own_errors():
+            if batch_check is not None:
+                batch_check.wait()
             out = self._active.compiled(*bound.args, **bound.kwargs)
         if not self._checked:
             self._checked = True
@@ -304,7 +306,7 @@ class SequenceParallel(nn.Module):
         if self.config.decisions.mesh.layout == "balanced":
             set_balanced(deal_balanced(pos.detach().cpu(), self.sp_degree), self.sp_degree)
 
-    def _plan_now(self, named: dict[str, Any], seq_len: int) -> None:
+    def _plan_now(self, named: dict[str, Any], seq_len: int, batch_check: BatchCheck | None = None) -> None:
         """The plan for this batch's shape: its bucket's (batch size, length rounded up to a power of
         two), planned at the bucket's length the first time a batch falls in it. Lengths change every
         step on real data; buckets keep re-planning and recompiling rare."""
@@ -312,6 +314,8 @@ class SequenceParallel(nn.Module):
         padded = -(-seq_len // self.sp_degree) * self.sp_degree
         bucket = (batch, length_bucket(padded, self.sp_degree))
         if bucket not in self._plans:
+            if batch_check is not None:
+                batch_check.wait()      # the planner's broadcast pairs only with ranks of the same batch
             # the documents are costed where the batch fills its bucket (else the padding would count)
             docs = documents_of(named.get("position_ids"), padded) if bucket[1] == padded else ()
             plan = self.plan_provider(self.module, batch, bucket[1], self.group, documents=docs)
