@@ -164,11 +164,6 @@ class Decisions:
                               "give one decision for every layer, or one for all")
         return self.layers[index]
 
-    @property
-    def uniform(self) -> bool:
-        """One choice for every layer."""
-        return len(set(self.layers)) == 1
-
     def any_layer(self, predicate: Callable[[LayerChoice], bool]) -> bool:
         """Whether some layer's choice satisfies ``predicate``."""
         return any(predicate(c) for c in self.layers)

@@ -16,7 +16,7 @@ before each):
   check's all-gather starts as the step begins and is waited for before the graphs run
   (:class:`autosp.transform.first_call.BatchCheck`); ``..., waited for at once``: the same with
   the check blocking where it starts, as it ran before (rounds alternated between the two);
-* ``batch-shape check``: :func:`autosp.transform.first_call.check_same_batch` alone, the one
+* ``batch-shape check``: :class:`autosp.transform.first_call.BatchCheck` started and waited for alone, the one
   collective the wrapper issues every step.
 
 Each figure is also given as a share of ``step``.
@@ -43,7 +43,7 @@ def _measure(seq_len: int, repeats: int, compiler: str) -> dict:
 
     import autosp
     import autosp.transform.sharding as sharding
-    from autosp.transform.first_call import BatchCheck, check_same_batch
+    from autosp.transform.first_call import BatchCheck
     from vs_deepspeed_autosp import _ids, tiny
 
     ids = _ids(seq_len)
@@ -104,7 +104,7 @@ def _measure(seq_len: int, repeats: int, compiler: str) -> dict:
     out.update({name: statistics.median(t) for name, t in times.items()})
     object.__setattr__(sp, "_active", variant)
     named = {"input_ids": ids, "labels": ids}
-    out["batch-shape check"] = median_time(lambda: check_same_batch(sp.group, named, seq_len), repeats,
+    out["batch-shape check"] = median_time(lambda: BatchCheck.start(sp.group, named, seq_len).wait(), repeats,
                                            dist.barrier)
     return out
 

@@ -152,7 +152,3 @@ class BatchCheck:
                               "an SP group must pass the same batch: give each SP group one data shard (split the "
                               "loader over the data-parallel dimension only)")
 
-
-def check_same_batch(group: dist.ProcessGroup, named: dict[str, Any], seq_len: int) -> None:
-    """:class:`BatchCheck` started and waited for at once."""
-    BatchCheck.start(group, named, seq_len).wait()
