@@ -112,15 +112,18 @@ class AutoPlanner:
         plan_json, error = payload[0]
         if error is not None:
             kind, message = error
+            why = message if kind == "AutospError" else f"{kind}: {message[:300]}"
+            see = (f"`autosp plan --model <config.json | module:factory> --seq-len {seq_len} --batch-size {batch_size} "
+                   f"--world-size {world}` shows why")
             if not self.fallback:
                 # a budget the user set holds or fails: never a silent run without it
-                raise AutospError(message if kind == "AutospError" else f"autosp could not plan this model "
-                                  f"({kind}: {message[:300]})")
+                raise AutospError(f"autosp could not plan this model under the memory limit it was given ({why}); "
+                                  f"{see}")
             import warnings
 
-            warnings.warn(f"autosp could not plan this model ({kind}: {message[:200]}); using the default "
-                          "strategy choice instead (only the default memory budget falls back: pass "
-                          "memory_limit= to make planning failures errors)", stacklevel=3)
+            warnings.warn(f"autosp could not plan this model ({why[:200]}); using the default strategy choice "
+                          f"instead; {see} (only the default memory budget falls back: with memory_limit= this "
+                          "is an error)", stacklevel=3)
             return None
         return Plan.from_dict(json.loads(plan_json))
 

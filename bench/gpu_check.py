@@ -1,6 +1,6 @@
 """GPU checks, for a machine with one CUDA device (skipped without one).
 
-    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency|offload|e2e] [--dry]
+    PYTHONPATH=. python bench/gpu_check.py [--out DIR] [--only concurrency|offload|e2e|peers] [--dry]
 
 1. Blockwise attention on CUDA (the kernels ring / all-gather-KV / hybrid run
    on): queries and keys in arbitrary chunk orders, merged by log-sum-exp,
@@ -27,6 +27,10 @@
    bf16 Llama through Inductor on 2 ranks (a GPU each over NCCL, or both on one GPU over gloo),
    loss and every gradient against one process within bf16 tolerance, and the collectives that
    ran. Written to DIR/sharded_step.json. ``--dry`` runs it on CPU (``--strategies`` picks some).
+7. The peers beside autosp (``--only peers``, :mod:`peers`): autosp, PyTorch ``context_parallel``
+   (which has no CPU rule for SDPA) and a hand-written Ulysses, both ranks on the GPU over gloo,
+   4096 and 16384 tokens: step time, peak memory, loss and gradients against one process.
+   Written to DIR/peers.json. ``--dry``: the smallest case on CPU, every peer (the suite runs it).
 """
 
 from __future__ import annotations
@@ -237,9 +241,9 @@ def concurrency_check(repeats: int = 9) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=["concurrency", "offload", "e2e"], help="run this check alone")
+    ap.add_argument("--only", choices=["concurrency", "offload", "e2e", "peers"], help="run this check alone")
     ap.add_argument("--strategies", default=None, help="--only e2e: comma-separated (default: every one)")
-    ap.add_argument("--dry", action="store_true", help="--only offload / e2e on CPU with a tiny model")
+    ap.add_argument("--dry", action="store_true", help="--only offload / e2e / peers on CPU with a tiny model")
     ap.add_argument("--tokens", type=int, default=None, help="--only offload: tokens per rank (default 131072)")
     args = ap.parse_args()
     if args.only == "offload":
@@ -260,6 +264,15 @@ def main() -> None:
             res = sharded_step_check.main(args.out, args.dry, picked)
             return 0 if all(r["ok"] for r in res["rows"]) else 1
         print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
+        return
+    if args.only == "peers":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import peers
+
+        if args.dry or torch.cuda.is_available():
+            peers.gpu_check(args.out, args.dry)
+        else:
+            print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
         return
     if not torch.cuda.is_available():
         print("no CUDA device: GPU checks skipped")

@@ -165,7 +165,9 @@ def _deepspeed_engine():
     return engine, sp
 
 
-def _deepspeed_step(engine, sp: int, seq_len: int):
+def _deepspeed_step(engine, sp: int, seq_len: int, backward_only: bool = False):
+    """One AutoSP step on this length (``backward_only``: forward and backward, the optimizer left
+    to the caller, who reads the gradients first)."""
     import torch
     import torch.distributed as dist
     from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
@@ -179,7 +181,8 @@ def _deepspeed_step(engine, sp: int, seq_len: int):
         loss = engine(input_ids=i, labels=labels, shift_labels=labels, position_ids=pos,
                       num_items_in_batch=seq_len - 1, use_cache=False).loss
         engine.backward(loss * sp)      # the engine averages; the global loss is the sum of shard losses
-        engine.step()
+        if not backward_only:
+            engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         return total.item()

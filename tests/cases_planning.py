@@ -210,3 +210,41 @@ def balanced_stream(strategy: str = "ring", docs: tuple = PACKED_STREAM, layout:
             opt.zero_grad()
     out["graphs"] = dynamo_utils.counters["stats"]["unique_graphs"] - frames
     return out
+
+
+def planning_failure(seq_len: int = 32) -> dict[str, Any]:
+    """The first call's planner failing (made to fail here the way a capture it cannot trace does):
+    with the default budget it warns, naming the command that shows why, and runs the default
+    choice (exact against one process); with a memory budget given, every rank fails in one line
+    and nothing runs without the budget."""
+    import warnings
+    from unittest import mock
+
+    from autosp.autoplan import AutoPlanner
+
+    def failing(self, *args, **kw):         # before the plan cache, which may hold this problem's plan
+        raise RuntimeError("the capture turned the sequence length into a constant")
+
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    ids, labels = _batch(0, 1, seq_len, False)
+    out: dict[str, Any] = {}
+    with mock.patch.object(AutoPlanner, "plan", failing):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = _loss(autosp.compile(model), "llama", ids, labels)
+        loss.backward()
+        loss_ref = _loss(ref, "llama", ids, labels)
+        loss_ref.backward()
+        out["warnings"] = [str(w.message) for w in caught if "could not plan" in str(w.message)]
+        out["loss_err"] = abs(loss.item() - loss_ref.item()) / loss_ref.item()
+        out["grad_err"] = max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        limited = build("llama")
+        sp = autosp.compile(limited, memory_limit=2 ** 30)
+        try:
+            _loss(sp, "llama", ids, labels).backward()
+            out["error"] = ""
+        except AutospError as e:
+            out["error"] = str(e)
+    out["grads"] = sum(p.grad is not None for p in limited.parameters())
+    return out

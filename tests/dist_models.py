@@ -184,6 +184,13 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
         return transformers.AutoModelForCausalLM.from_config(transformers.GPTJConfig(
             n_embd=16 * heads, n_layer=2, n_head=heads, rotary_dim=8, n_positions=256, attn_pdrop=0.0,
             resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=None, eos_token_id=None, **common))
+    if kind in ("deepseek_v3", "deepseek_v2"):   # multi-head latent attention (q/k head dim 24, v 16), then MoE
+        cls = transformers.DeepseekV3Config if kind == "deepseek_v3" else transformers.DeepseekV2Config
+        return transformers.AutoModelForCausalLM.from_config(cls(
+            hidden_size=16 * heads, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            n_group=2, topk_group=1, **common))
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)

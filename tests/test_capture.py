@@ -162,3 +162,31 @@ def test_capture_plans_a_training_step_under_no_grad():
     with torch.no_grad():
         g = capture("tiny", seq_len=128, dtype="float32")
     assert len(g.attention_nodes("fwd")) == len(g.attention_nodes("bwd")) == 2
+
+
+@pytest.mark.parametrize("family", ["DeepseekV3Config", "DeepseekV2Config"])
+def test_multi_head_latent_attention_is_captured_and_planned_on_ulysses(family):
+    """DeepSeek's MLA gives values a smaller head dim than queries and keys (16 against 24 here,
+    128 against 192 at full size). Captured, each layer's SDPA is found with both head dims and
+    the length stays symbolic (V2's complex rotary table once pinned it); planned, only Ulysses
+    takes the two head dims (the block strategies' per-block kernels do not, and say so)."""
+    import transformers
+
+    from autosp.costmodel.predict import attention_shape
+    from autosp.planner.problem import Problem
+    from autosp.planner.search import plan
+    from autosp.strategies import SPMesh, resolve
+
+    cfg = getattr(transformers, family)(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, vocab_size=128,
+        n_group=2, topk_group=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    g = capture(model, seq_len=256, batch_size=1, dtype="float32")
+    ops = [n.attention for n in g.attention_nodes("fwd")]
+    assert len(ops) == 2 and all(a.head_dim == 24 and a.v_head_dim == 16 and a.q_len == S for a in ops), ops
+    shape = attention_shape(g.attention_nodes("fwd")[0], 256)
+    assert "multi-head latent attention" in resolve("ring").illegal(shape, SPMesh(2))
+    p = plan(Problem.of(graph=g, seq_len=256, world_size=2, profile="cpu-gloo", sp_degrees=(2,)))
+    assert {layer.choice.strategy.split(":")[0] for layer in p.layers} == {"ulysses"}, p.summary()

@@ -141,3 +141,35 @@ def test_the_gpu_sharded_step_check_runs_dry_on_cpu(tmp_path):
     # observed as each rank's attention ran: its half of the 256 tokens at both layers
     assert [r["tokens_per_rank"] for r in row["ranks"]] == [[128, 128]] * 2 and row["outside_allocator_bytes"] is None
     assert "ulysses        ok" in run.stdout
+
+
+def test_the_peer_benchmark_runs_its_smallest_case(tmp_path):
+    """``bench/peers.py``'s smallest case (``gpu_check.py --only peers --dry``: 2 ranks, 256 tokens,
+    every peer, one step each) against one process. autosp's shortest call, DeepSpeed AutoSP and the
+    hand-written Ulysses are exact; ALST's loss and every gradient but the LM head's are, and the LM
+    head's is its recipe's: ``TiledFusedLogitsLoss`` computes it inside the forward with an incoming
+    gradient of 1 and never rescales it, so after the loss is divided by the 255 labelled tokens and
+    the engine averages over the 2 ranks it is 255 / 2 times too large; PyTorch's context parallel
+    stops at its SDPA rule on the CPU."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--only", "peers", "--dry", "--out", str(tmp_path)],
+                         cwd=root, env={**os.environ, "PYTHONPATH": root, "DS_ACCELERATOR": "cpu"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    res = json.loads((tmp_path / "peers.json").read_text())
+    rows = {r["system"]: r for r in res["rows"]}
+    assert res["device"] == "cpu" and set(rows) == {"autosp (shortest call)", "ALST", "DeepSpeed AutoSP",
+                                                    "PyTorch context_parallel", "hand-written Ulysses"}
+    assert all(r["world"] == 2 and r["seq_len"] == 256 for r in rows.values())
+    for name in ("autosp (shortest call)", "DeepSpeed AutoSP", "hand-written Ulysses"):
+        assert rows[name]["loss_err"] < 1e-5 and rows[name]["grad_err"] < 1e-4 and not rows[name]["off"], rows[name]
+    assert rows["autosp (shortest call)"]["chose"], "the shortest call plans: its choice is reported"
+    alst = rows["ALST"]
+    assert alst["loss_err"] < 1e-5 and list(alst["off"]) == ["lm_head.weight"], alst
+    assert abs(alst["off"]["lm_head.weight"] - (255 / 2 - 1)) < 1e-3, alst
+    assert "does not have a sharding strategy registered" in rows["PyTorch context_parallel"]["error"]
+    assert "**not exact** (lm_head.weight)" in run.stdout

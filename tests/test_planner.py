@@ -373,7 +373,8 @@ def test_a_plan_costs_what_predict_says_for_it_where_dp_communication_hides_behi
             assert not fits or other.total_s >= again.total_s * (1 - 1e-9), (st.spec, layout, other.total_s)
 
 
-@pytest.mark.parametrize("model,world", [("llama3-8b", 8), ("llama3-70b", 64)])
+# (Llama-3-70B on 64 devices took 38 s of the suite for the same property)
+@pytest.mark.parametrize("model,world", [("llama3-8b", 8)])
 def test_the_longest_length_found_is_one_the_planner_plans_under_zero_3(model, world):
     """max_seq_len once searched a space with full checkpointing that ZeRO 3 did not apply, and then
     failed to plan the length it found. ZeRO 3 now applies full checkpointing (its gathers are

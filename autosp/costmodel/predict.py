@@ -87,7 +87,7 @@ def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
                           "give lengths that sum to the sequence length")
     ev = lambda x: evaluate(x, seq_len)  # noqa: E731
     return AttentionShape(heads=int(ev(a.heads)), kv_heads=int(ev(a.kv_heads)), head_dim=int(ev(a.head_dim)),
-                          batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
+                          v_head_dim=int(ev(a.v_head_dim)), batch=ev(a.batch), seq_len=ev(a.q_len), elem_bytes=dtype_bytes(node.dtypes[0]),
                           causal=a.causal or bool(documents), masked=a.masked or bool(documents),
                           window=ev(a.window), documents=tuple(documents), dropout=dropout, written=a.written,
                           positional=a.positional, unsplit="reads token positions inside it" if a.positional else "",

@@ -33,7 +33,7 @@ from autosp.errors import AutospError
 from autosp.graph.build import Built, build, count_params, fsdp_hooks_off
 from autosp.graph.catalog import ModelSource
 from autosp.graph.hf_compat import (attention_window, broadcast_kv_as_gqa, eager_experts_as_grouped,
-                                     experts_as_compiled, unpacked_positions)
+                                    experts_as_compiled, pad_value_head_dim, polar_as_view, unpacked_positions)
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
 from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
@@ -165,7 +165,8 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
 
     try:
         with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), broadcast_kv_as_gqa(), \
-                experts_as_compiled(built.is_hf), eager_experts_as_grouped(module), fsdp_hooks_off(module):
+                pad_value_head_dim() as value_dims, polar_as_view(), experts_as_compiled(built.is_hf), \
+                eager_experts_as_grouped(module), fsdp_hooks_off(module):
             gm = make_fx(step, tracing_mode="real", decomposition_table=_DECOMPOSITIONS)(params, kwargs)
     except AutospError:
         raise
@@ -180,7 +181,8 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
         raise AutospError(f"model '{built.name}' turns the sequence length into a constant while tracing "
                           "(e.g. int(x.shape[1]) or a Python branch on it); keep sequence sizes as tensor shapes")
     canon = {s: S for s in seq_exprs | seq_syms if isinstance(s, sympy.Symbol)}
-    return _to_opgraph(built, gm, shape_env, canon, marks, boundary[0], batch_size, seq_len, dtype, len(params))
+    return _to_opgraph(built, gm, shape_env, canon, marks, boundary[0], batch_size, seq_len, dtype, len(params),
+                       value_dims)
 
 
 def _position(node: Any, index: dict) -> int:
@@ -253,7 +255,7 @@ def _tensor_vals(val: Any) -> list[torch.Tensor]:
 
 def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: dict,
                 marks: dict[int, list[Any]], boundary_node: Any, batch_size: int, seq_len: int,
-                dtype: torch.dtype, n_params: int) -> OpGraph:
+                dtype: torch.dtype, n_params: int, value_dims: list[Any] | None = None) -> OpGraph:
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     spans = {b: (_position(m[0], index), _position(m[-1], index)) for b, m in marks.items()
@@ -290,6 +292,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
     for n in nodes:
         if any(a in learned for a in n.all_input_nodes):
             learned.add(n)
+    fused_calls = 0
     for i, n in enumerate(nodes):
         tvals = _tensor_vals(n.meta.get("val"))
         shapes = [tuple(_expr(d, shape_env, canon) for d in t.shape) for t in tvals]
@@ -315,9 +318,13 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
         elif kind == OpKind.ATTENTION:
             q, k = attention_operands(n.target, arg_shapes)
             masked = is_masked_call(n.target, n.args, n.kwargs)
+            v_dim = 0
+            if phase == "fwd":          # the forward's fused calls, in the order SDPA was called
+                v_dim = value_dims[fused_calls] if value_dims and fused_calls < len(value_dims) else 0
+                fused_calls += 1
             # A causal LM's explicit mask (a sliding window; padding at run time) is causal too.
             attention = AttentionOp(batch=prod(q[:-3]), heads=q[-3], kv_heads=k[-3], q_len=q[-2], kv_len=k[-2],
-                                    head_dim=q[-1], causal=is_causal_call(n.target, n.args, n.kwargs)
+                                    head_dim=q[-1], v_head_dim=v_dim, causal=is_causal_call(n.target, n.args, n.kwargs)
                                     or (masked and built.is_hf), masked=masked,
                                     window=windows[layer] if layer is not None and masked else 0)
         g.add_node(n.name, op=OpNode(

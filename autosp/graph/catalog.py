@@ -45,6 +45,20 @@ CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
         n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024,
         # Long-context training runs without dropout; with it SDPA leaves the fused kernel.
         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # Multi-head latent attention: queries and keys of head dim 192 (128 + 64 rotary), values 128;
+    # the first layers dense, then mixtures of experts.
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+        vocab_size=129280, max_position_embeddings=163840, rope_theta=10000.0)),
+    "deepseek-v2-lite": ("DeepseekV2Config", dict(
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy", first_k_dense_replace=1,
+        vocab_size=102400, max_position_embeddings=163840, rope_theta=10000.0)),
     # Small enough to train on a 2-core CPU: the default of the README's main job.
     "tiny": ("LlamaConfig", dict(
         hidden_size=256, intermediate_size=688, num_hidden_layers=2,

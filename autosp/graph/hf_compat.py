@@ -149,3 +149,48 @@ def broadcast_kv_as_gqa() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def pad_value_head_dim() -> Iterator[None]:
+    """Multi-head latent attention (DeepSeek-V2/V3) gives the values a smaller head dim than the
+    queries and keys (128 against 192 at full size). No CPU fused kernel takes that, so SDPA would
+    decompose into matmuls and a softmax and the capture would find no attention op. The values
+    padded to the queries' head dim and the output sliced back is the same math on the fused
+    kernel (what flash-attention users of MLA run). Yields the values' real head dim per call, in
+    call order (0 where nothing was padded), for the captured ops' ``v_head_dim``."""
+    original = F.scaled_dot_product_attention
+    value_dims: list[Any] = []
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        dq, dv = query.shape[-1], value.shape[-1]
+        if key.shape[-1] == dq and dv < dq:
+            value_dims.append(dv)
+            return original(query, key, F.pad(value, (0, dq - dv)), *args, **kwargs)[..., :dv]
+        value_dims.append(0)
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield value_dims
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def polar_as_view() -> Iterator[None]:
+    """``torch.polar``'s fake kernel (``aten.complex``) reads concrete sizes, which pins the sequence
+    length while tracing (DeepSeek-V2 builds its rotary table as complex numbers). The same values
+    built through ``view_as_complex`` keep it symbolic."""
+    original = torch.polar
+
+    def polar(abs: torch.Tensor, angle: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:
+            return original(abs, angle, out=out)
+        return torch.view_as_complex(torch.stack((abs * torch.cos(angle), abs * torch.sin(angle)), dim=-1))
+
+    torch.polar = polar
+    try:
+        yield
+    finally:
+        torch.polar = original

@@ -55,6 +55,7 @@ class AttentionOp:
     kv_len: Size
     head_dim: Size
     causal: bool                     # what the tokens may see is causal (flag or the model's mask)
+    v_head_dim: Size = 0             # the values' head dim where smaller (multi-head latent attention)
     masked: bool = False             # the kernel gets an explicit mask (it then computes every block)
     window: int = 0                  # sliding window of the model's causal mask, tokens (0: none)
     # attention the model writes itself (graph/written_attention.py): bytes per score entry

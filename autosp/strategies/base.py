@@ -52,6 +52,9 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int = 0
+    # the values' head dim where it is smaller than the queries' and keys' (multi-head latent
+    # attention: 128 against 192); 0: the same
+    v_head_dim: int = 0
     batch: float = 1
     seq_len: float = 0
     elem_bytes: int = 2

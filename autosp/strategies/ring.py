@@ -57,10 +57,14 @@ def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
 
 
 def dropout_illegal(name: str, shape: AttentionShape) -> str | None:
-    """Blockwise kernels here take masks (block by block) but not dropout."""
+    """Blockwise kernels here take masks (block by block) but not dropout; and the fused kernels they
+    run per block take one head dim for queries, keys and values."""
     if shape.dropout:
         return (f"has attention dropout, which strategy '{name}' does not support; use ulysses for this layer "
                 "or set attention dropout to 0")
+    if shape.v_head_dim and shape.v_head_dim != shape.head_dim:
+        return (f"has values of head dim {shape.v_head_dim} against {shape.head_dim} for queries and keys "
+                f"(multi-head latent attention), which the per-block kernels of '{name}' do not take; use ulysses")
     return None
 
 

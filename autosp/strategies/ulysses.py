@@ -215,6 +215,10 @@ class Ulysses(Strategy):
         if not reason and shape.written and self.chunks > 1:
             return (f"is attention written by hand, whose heads {self.spec} cannot pipeline (it pipelines "
                     "SDPA calls); use plain 'ulysses'")
+        if not reason and self.chunks > 1 and shape.v_head_dim and shape.v_head_dim != shape.head_dim:
+            # measured: not exact on DeepSeek-V2/V3's MLA (NaN losses on V3), cause not found yet
+            return (f"has values of head dim {shape.v_head_dim} against {shape.head_dim} for queries and keys "
+                    f"(multi-head latent attention), whose heads {self.spec} does not pipeline yet; use plain 'ulysses'")
         if reason or self.chunks == 1:
             return reason
         k, p = self.chunks, mesh.degree

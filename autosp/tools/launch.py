@@ -40,10 +40,28 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, threads
             from autosp.errors import AutospError
 
             res = e if isinstance(e, AutospError) else RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")
-        if rank == 0:
-            out.put(res)
+            out.put(res)                # every rank's error: the root cause may be another rank's
+        else:
+            if rank == 0:
+                out.put(res)
     finally:
         dist.destroy_process_group()
+
+
+def _root_cause(first: BaseException, out: Any, wait: float = 5.0) -> BaseException:
+    """Of the ranks' errors, the one that is not a peer's lost connection: a rank that raises
+    closes its sockets and the others then fail in their collectives, often first."""
+    import queue
+
+    errors = [first]
+    deadline = time.monotonic() + wait
+    while "Connection closed by peer" in str(errors[-1]) and time.monotonic() < deadline:
+        try:
+            errors.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+    return next((e for e in errors if isinstance(e, BaseException) and "Connection closed by peer" not in str(e)),
+                first)
 
 
 def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: float = 3600, backend: str = "gloo",
@@ -65,8 +83,8 @@ def spawn_gloo(fn: Callable, world: int, threads: int | None = None, timeout: fl
         p.start()
     try:
         res = out.get(timeout=timeout)
-        if isinstance(res, BaseException):      # rank 0 failed: its error, not a timeout
-            raise res
+        if isinstance(res, BaseException):      # a rank failed: its error, not a timeout
+            raise _root_cause(res, out)
         return res
     finally:
         for p in procs:

@@ -445,7 +445,9 @@ class Sharder:
         index = self.ctx.attention_offset + self.report.attention
         where = f"attention {index} at {_where(n)}"
         info = getattr(self.gm, str(n.kwargs["region"].target)).autosp_region if written else None
+        vd = int(_val(v).shape[-1])
         shape = AttentionShape(heads=int(qv.shape[-3]), kv_heads=int(kv.shape[-3]), causal=bool(is_causal),
+                               head_dim=int(qv.shape[-1]), v_head_dim=vd if vd != int(qv.shape[-1]) else 0,
                                masked=mask is not None, dropout=bool(dropout), written=written,
                                positional=bool(info and info.positional), unsplit=info.unsplit if info else "")
         mesh = SPMesh(self.ctx.world, self.ctx.layout)
