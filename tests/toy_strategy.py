@@ -16,7 +16,7 @@ from autosp.strategies.ring_costs import blockwise_kernel_calls
 from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather, all_reduce_sum, group_size, resolve_group
 from autosp.strategies.layout import all_chunks, rank_chunks
-from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
+from autosp.strategies.ring import block_mask, blockwise_illegal, no_dropout, softmax_scale
 
 FAMILY = "toy_allgather_ar"
 
@@ -67,7 +67,7 @@ class ToyAllGatherAllReduce(Strategy):
     attention_fn = staticmethod(toy_attention)
 
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
-        return dropout_illegal(self.spec, shape)
+        return blockwise_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree

@@ -23,7 +23,7 @@ from autosp.strategies.blockwise import chunked_attention
 from autosp.strategies.collectives import all_gather_rs, resolve_group
 from autosp.strategies.layout import kernel_chunks, n_chunks, rank_chunks, slice_seq, to_natural_order
 from autosp.strategies.region import full_sizes, score_bytes, slice_atom
-from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
+from autosp.strategies.ring import block_mask, blockwise_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_costs import blockwise_kernel_calls
 
 
@@ -107,7 +107,7 @@ class AllGatherKV(Strategy):
             why = "reads token positions inside it" if shape.positional else "runs blockwise under :overlap"
             return (f"is attention written by hand that {why}, which needs every query row on one rank; "
                     "use 'ulysses'" + ("" if shape.positional else " or plain 'allgather_kv'"))
-        return dropout_illegal(self.spec, shape)
+        return blockwise_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree

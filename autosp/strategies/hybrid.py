@@ -20,7 +20,7 @@ from autosp.strategies.base import AttentionCost, AttentionShape, SPMesh, Strate
 from autosp.strategies.ring_costs import blockwise_kernel_calls, ring_transfers, ring_workspace
 from autosp.strategies.collectives import resolve_group
 from autosp.strategies.layout import kernel_chunks
-from autosp.strategies.ring import block_mask, dropout_illegal, no_dropout, softmax_scale
+from autosp.strategies.ring import block_mask, blockwise_illegal, no_dropout, softmax_scale
 from autosp.strategies.ring_kernel import ring_attention
 from autosp.strategies.ulysses import all_to_all_transfers, heads_illegal, heads_to_seq, kv_repeat, seq_to_heads
 
@@ -78,7 +78,7 @@ class Hybrid(Strategy):
     def illegal(self, shape: AttentionShape, mesh: SPMesh) -> str | None:
         return (self._size_mismatch(mesh.degree)
                 or heads_illegal(shape.heads, shape.kv_heads, self.ulysses, "the hybrid's Ulysses degree")
-                or dropout_illegal(self.spec, shape))
+                or blockwise_illegal(self.spec, shape))
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         u, r = self.ulysses, self.ring

@@ -56,7 +56,7 @@ def ring_attention_sp(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
     return out
 
 
-def dropout_illegal(name: str, shape: AttentionShape) -> str | None:
+def blockwise_illegal(name: str, shape: AttentionShape) -> str | None:
     """Blockwise kernels here take masks (block by block) but not dropout; and the fused kernels they
     run per block take one head dim for queries, keys and values."""
     if shape.dropout:
@@ -84,7 +84,7 @@ class Ring(Strategy):
         if shape.written and shape.unsplit:
             return (f"is attention written by hand that {shape.unsplit}, so {self.spec} cannot split its softmax "
                     "over key blocks; use 'ulysses'" + ("" if shape.positional else " or 'allgather_kv'"))
-        return dropout_illegal(self.spec, shape)
+        return blockwise_illegal(self.spec, shape)
 
     def cost(self, shape: AttentionShape, mesh: SPMesh) -> AttentionCost:
         p = mesh.degree
