@@ -97,6 +97,13 @@ def _documents(text: str | None) -> tuple[int, ...]:
     return docs
 
 
+def _tp(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise AutospError(f"--tp takes a TP degree (1, 2, 4, 8) or auto, got '{text}'") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from autosp.planner.report import plan_table
     from autosp.planner.problem import Problem
@@ -114,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          documents=None if args.max_seq_len else _documents(args.documents),
                          offloads=(False,) if args.no_offload else (False, True),
                          host_optimizers=(False,) if args.no_host_optimizer else (False, True),
-                         overlap=not args.no_overlap,
+                         overlap=not args.no_overlap, tp_degrees=None if args.tp == "auto" else (_tp(args.tp),),
                          **({} if args.memory_margin is None else {"memory_margin": args.memory_margin}))
     if args.max_seq_len:
         from autosp.planner.longest import max_seq_len
@@ -229,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-host-optimizer", action="store_true",
                    help="keep the optimizer states on the device (by default the planner may keep them, and step "
                         "them, in host memory where the profile has it)")
+    p.add_argument("--tp", default="auto",
+                   help="the tensor-parallel degree, or auto (default): the planner chooses 1, 2, 4 or 8 inside a "
+                        "node (autosp.compile applies TP 1 plans only so far: --tp 1 for a plan it runs)")
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="what will run the step (default Inductor, autosp's; it fuses pointwise chains, so "
                         "the others need more memory)")

@@ -3,7 +3,7 @@
     LayerChoice   per class of identical layers: attention strategy, activation checkpointing,
                   token chunks of the MLP (and, fully checkpointed, whether the MLP's input is kept),
                   offload of what it keeps to host memory
-    MeshChoice    per mesh: SP degree, token layout, token chunks of the LM head and loss,
+    MeshChoice    per mesh: SP degree, TP degree, token layout, token chunks of the LM head and loss,
                   the ZeRO stage and ZeRO 3's sharding group, optimizer states on the host
     Decisions     what the runtime applies: one LayerChoice per transformer layer (or one for
                   all) and the MeshChoice
@@ -116,9 +116,13 @@ class MeshChoice:
     # The ZeRO stage (0-3) run over the mesh, None: none from autosp. Beside zero_shard, so that the
     # ZeRO decisions live in one place; the planner plans the stage it is given (it is not searched).
     zero_stage: int | None = None
+    # The tensor-parallel degree: ranks of a node that split each layer's weights (Megatron style,
+    # autosp.costmodel.tensor_parallel); SP x TP x DP = the world
+    tp_degree: int = 1
 
     def __post_init__(self) -> None:
         check_zero_stage(self.zero_stage)
+        check_positive("tp_degree", self.tp_degree)
         if not isinstance(self.host_optimizer, bool):
             raise AutospError(f"host_optimizer must be True or False, got {self.host_optimizer!r}")
         if self.layout is not None and self.layout not in LAYOUTS:

@@ -32,29 +32,34 @@ from __future__ import annotations
 from typing import Any
 
 from autosp.costmodel.dtypes import DTYPE_BYTES, dtype_bytes  # noqa: F401 - where callers read them
+from autosp.costmodel.tensor_parallel import params_per_rank
 from autosp.graph import OpGraph, OpKind, evaluate
 
 
 
-def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0) -> dict[str, float]:
+def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0, tp: int = 1) -> dict[str, float]:
     """Bytes per device of parameters, optimizer states and gradients under a ZeRO stage; ``shard``
-    (stage 3, HSDP): the ranks each parameter is sharded over, 0 = the whole group."""
+    (stage 3, HSDP): the ranks of the world each parameter is sharded over, 0 = the whole group.
+    The one rule: a parameter is split by TP (degree ``tp``) or replicated, then sharded by ZeRO over
+    the other axes (``group``: their ranks; a shard group of k ranks holds k / tp of them)."""
     p_bytes = dtype_bytes(graph.dtype)
-    n = graph.total_params
+    n = params_per_rank(graph, tp)
     if zero_stage == 3 and shard:
-        group = shard
+        group = max(1, shard // tp)
     return {"parameters": n * p_bytes / (group if zero_stage >= 3 else 1),
             "optimizer": n * (8 + (4 if p_bytes < 4 else 0)) / (group if zero_stage >= 1 else 1),
             "gradients": n * p_bytes / (group if zero_stage >= 2 else 1)}
 
 
 def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
-                  full: float | None = None, fused: bool = False) -> tuple[float, float, float]:
+                  full: float | None = None, fused: bool = False, tp: int = 1) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
     while an attention op runs), with sizes at ``tokens`` per rank; ``phases`` is
     filled with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions
     change differently; ``fused``: as Inductor runs it, the pointwise chains it fuses never
-    written (:func:`autosp.costmodel.fusion.fused_away`)."""
+    written (:func:`autosp.costmodel.fusion.fused_away`); ``tp``: a TP degree, which splits the
+    tensors whose size does not follow the tokens (weights, their gradients) t ways too (the
+    caller passes ``tokens`` already split: :mod:`autosp.costmodel.tensor_parallel`)."""
     from autosp.costmodel.fusion import fused_away
 
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
@@ -64,6 +69,10 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
     # one every rank makes whole from positions alone (a mask, rotary tables) at the ``full`` length
     size = {b: 0.0 if b in gone else evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens)
             for b in last}
+    if tp > 1:
+        for b in size:
+            if not ops[b].replicated and size[b] == evaluate(ops[b].bytes_written, 2 * tokens):
+                size[b] /= tp
     end = len(order)
     grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0

@@ -18,6 +18,8 @@ Time (per device, one step):
             :mod:`autosp.costmodel.overlap`), and the gradient reduction of ZeRO stages 0/1
             in buckets beside the backward (:func:`_gradient_comm`)
   total     compute + exposed
+  TP        a tensor-parallel degree t divides every op's work and the attention's heads by t and
+            adds its per-layer collectives, exposed (:mod:`autosp.costmodel.tensor_parallel`)
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
             every compute time x (ranks on the node / devices), attention kernels at least the
@@ -38,6 +40,7 @@ from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, ti
 from autosp.costmodel.phases import decided_peak, peak_terms
 from autosp.costmodel.overlap import transfer_times
 from autosp.costmodel.profile import HardwareProfile
+from autosp.costmodel.tensor_parallel import gathered_input_bytes, local_attention, params_per_rank, tp_comm
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, OpNode, evaluate
 from autosp.strategies import AUTO, AttentionCost, AttentionShape, SPMesh, Strategy, pick, required_layout, resolve
@@ -73,6 +76,10 @@ class Prediction:
     gradient_comm_s: float = 0.0
     gradient_exposed_s: float = 0.0     # of it, what the compute waits for (ZeRO gathers included)
     backward_s: float = 0.0             # of compute_s, the backward's: what the gradient reduction moves beside
+    tp: int = 1                         # the TP degree
+    tp_comm_s: float = 0.0              # TP collectives, all exposed (of exposed_comm_s)
+    tp_layer_s: float = 0.0             # ... of them the layers' (forward and backward)
+    tp_layer_forward_s: float = 0.0     # ... and of those the forward's (what a full recompute repeats)
 
 
 def attention_shape(node: OpNode, seq_len: float, dropout: bool = False,
@@ -107,7 +114,7 @@ def kernel_time(profile: HardwareProfile, cost: AttentionCost, dtype: str, backw
 
 
 def made_before(graph: OpGraph, attention: OpNode, profile: HardwareProfile, s_loc: float, share: float,
-                overhead: float) -> dict[str, float]:
+                overhead: float, tp: int = 1) -> dict[str, float]:
     """Per input of a forward attention op ("q", "k", "v": its first three operands), the seconds
     of the layer's forward compute between the op that makes it and the attention, at ``s_loc``
     tokens a rank (what runs while an exchange issued where the input is made moves)."""
@@ -115,25 +122,26 @@ def made_before(graph: OpGraph, attention: OpNode, profile: HardwareProfile, s_l
             for role, name in zip(("q", "k", "v"), list(graph.graph.predecessors(attention.name))[:3])}
     first = min(made.values(), default=attention.index)
     # each op between the earliest input and the attention timed once, then summed per input
-    between = [(n.index, _op_time(n, profile, s_loc, share, graph.dtype) + overhead)
+    between = [(n.index, _op_time(n, profile, s_loc, share, graph.dtype, tp) + overhead)
                for n in graph.nodes(phase="fwd", layer=attention.layer)
                if first < n.index < attention.index and n.kind not in (OpKind.VIEW, OpKind.ATTENTION)]
     return {role: sum(t for i, t in between if i > index) for role, index in made.items()}
 
 
-def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str) -> float:
+def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str, tp: int = 1) -> float:
+    # TP divides each op's work (matmuls split by features, the rest by tokens or features)
     if a.kind == OpKind.MATMUL:
-        return share * profile.matmul_time(evaluate(a.flops, s_loc), a.dtypes[0] if a.dtypes else dtype)
-    return share * profile.memory_bound_time(evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc))
+        return share * profile.matmul_time(evaluate(a.flops, s_loc) / tp, a.dtypes[0] if a.dtypes else dtype)
+    return share * profile.memory_bound_time((evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc)) / tp)
 
 
 def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: str | Strategy = "ulysses",
             layout: str | None = None, seq_len: int | None = None, dp: int = 1, zero_stage: int = 0,
             reduce_grads: bool = True, devices_per_node: int | None = None,
             documents: tuple[int, ...] = (), overlap: bool = True, zero_shard: int = 0,
-            fused: bool = False) -> Prediction:
-    """Time and memory of one training step of ``graph`` on ``sp`` x ``dp`` devices under one
-    strategy; memory as ``aot_eager`` runs the step, or, ``fused``, as Inductor does (a bf16
+            fused: bool = False, tp: int = 1) -> Prediction:
+    """Time and memory of one training step of ``graph`` on ``sp`` x ``dp`` x ``tp`` devices under
+    one strategy (``tp``: the tensor-parallel degree); memory as ``aot_eager`` runs the step, or, ``fused``, as Inductor does (a bf16
     model's fp32 transients never written: :mod:`autosp.costmodel.fusion`)."""
     S = seq_len or graph.seq_len
     if sp < 1 or S % sp:
@@ -150,8 +158,9 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         strat = pick(AUTO, AttentionShape(heads=1, kv_heads=1), SPMesh(1, "contiguous", dpn))
     else:
         strat = resolve(strategy)
-    mesh = SPMesh(sp, layout or required_layout([strat]) or "contiguous", dpn)
-    share = max(1.0, min(sp * dp, dpn) / profile.devices_per_node)
+    # a TP group fills dpn / tp ... of a node: the SP group has that many ranks on each
+    mesh = SPMesh(sp, layout or required_layout([strat]) or "contiguous", max(1, dpn // tp))
+    share = max(1.0, min(sp * dp * tp, dpn) / profile.devices_per_node)
     overhead = share * profile.op_overhead_s
     # Per attention shape: its cost and kernel times (forward, backward), computed once.
     # (cost, forward kernels, backward kernels, the backward's exposed transfers)
@@ -164,7 +173,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
         if a.kind == OpKind.VIEW:
             continue
         if a.kind == OpKind.ATTENTION:
-            shape = attention_shape(a, S, graph.attention_dropout, documents)
+            shape = local_attention(attention_shape(a, S, graph.attention_dropout, documents), tp)
             if shape not in costs:
                 reason = strat.refuses(shape, mesh)
                 if reason:
@@ -184,7 +193,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 p.attention_bwd_s += w * t
             else:
                 p.attention_fwd_s += w * t
-                early = made_before(graph, a, profile, s_loc, share, overhead) \
+                early = made_before(graph, a, profile, s_loc, share, overhead, tp) \
                     if any(tr.lead for tr in cost.transfers) else None
                 comm, exposed = transfer_times(profile, cost, t_fwd, t_bwd, early)
                 p.attention_comm_s += w * comm
@@ -192,11 +201,11 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 p.attention_exposed_bwd_s += w * bwd_exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
-            t = _op_time(a, profile, s_loc, share, dtype)
+            t = _op_time(a, profile, s_loc, share, dtype, tp)
             if a.layer is None and a.phase == "fwd":
                 p.head_forward_s += w * (t + overhead)
         else:
-            t = _op_time(a, profile, s_loc, share, dtype)
+            t = _op_time(a, profile, s_loc, share, dtype, tp)
             if a.layer is not None and a.phase == "fwd":
                 p.layer_forward_pointwise_s += w * (t + overhead)
         p.compute_s += w * (t + overhead)
@@ -211,24 +220,27 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
 
     p.attention_saved = {}
     for fp, lc in graph.layer_classes.items():
-        p.attention_saved[fp] = sum(costs[attention_shape(a, S, graph.attention_dropout, documents)][0].saved_bytes
+        p.attention_saved[fp] = sum(costs[local_attention(attention_shape(a, S, graph.attention_dropout, documents),
+                                                          tp)][0].saved_bytes
                                     for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=lc.captured[0])
                                     ) if sp > 1 else 0.0
     p.backward_s = backward_s
     p.gradient_comm_s, gradient_exposed = _gradient_comm(graph, profile, sp * dp, zero_stage,
                                                          reduce_grads or dp > 1, backward_s,
-                                                         p.compute_s - backward_s, overlap, zero_shard, dpn)
-    p.comm_s = p.attention_comm_s + p.gradient_comm_s
+                                                         p.compute_s - backward_s, overlap, zero_shard, dpn, tp)
+    tpc = tp_comm(graph, profile, tp, s_loc)
+    p.tp, p.tp_comm_s, p.tp_layer_s, p.tp_layer_forward_s = tp, tpc.total_s, tpc.layer_s, tpc.layer_forward_s
+    p.comm_s = p.attention_comm_s + p.gradient_comm_s + p.tp_comm_s
     p.gradient_exposed_s = gradient_exposed
-    p.exposed_comm_s = p.attention_exposed_s + gradient_exposed
+    p.exposed_comm_s = p.attention_exposed_s + gradient_exposed + p.tp_comm_s
     p.phases = {}
-    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard, fused)
+    p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard, fused, tp)
     p.peak_bytes = p.memory["peak"]
-    p.model_flops = graph.total_flops(S) / sp          # per device: its share of one sequence
+    p.model_flops = graph.total_flops(S) / (sp * tp)    # per device: its share of one sequence
     p.total_s = p.compute_s + p.exposed_comm_s
     peak = profile.peak_flops(dtype)
     p.mfu = p.model_flops / (p.total_s * peak) if peak else 0.0
-    p.tokens_per_s = graph.batch_size * S / sp / p.total_s
+    p.tokens_per_s = graph.batch_size * S / (sp * tp) / p.total_s
     return p
 
 
@@ -237,7 +249,7 @@ BUCKET_BYTES = 25 * 2 ** 20         # autosp's gradient buckets (autosp.compile(
 
 def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_stage: int, reduce: bool,
                    backward_s: float, forward_s: float = 0.0, overlap: bool = True, shard: int = 0,
-                   devices_per_node: int | None = None) -> tuple[float, float]:
+                   devices_per_node: int | None = None, tp: int = 1) -> tuple[float, float]:
     """(communication, exposed) of the gradient reduction over the SP x DP group and ZeRO 3's
     parameter gathers.
 
@@ -260,16 +272,21 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
     and blocking, exposed = 2 * U * g + U * r. HSDP (``shard`` = k ranks per shard group, a node):
     g gathers over the k ranks, and r is a reduce-scatter over them plus an all-reduce of the
     reduced 1/k shard over the group / k replicas, across nodes.
+    Under TP (degree t) the group is the SP x DP ranks of one TP rank, t to a node's group of
+    devices: they move its parameters alone (:func:`params_per_rank`), and a shard group of k
+    ranks of the world (a node) is k / t of them.
     """
     if group <= 1 or not reduce:
         return 0.0, 0.0
-    gbytes = graph.total_params * dtype_bytes(graph.dtype)
-    big = group > profile.devices_per_node
+    gbytes = params_per_rank(graph, tp) * dtype_bytes(graph.dtype)
+    dpn = max(1, (devices_per_node or profile.devices_per_node) // tp)
+    big = group > dpn
     s_comm, s_compute = profile.concurrency()
     if zero_stage == 3:
         units = sum(lc.count for lc in graph.layer_classes.values()) + 2
+        shard = max(1, shard // tp) if shard else 0
         k = shard if 0 < shard < group else group
-        inside = k > (devices_per_node or profile.devices_per_node)
+        inside = k > dpn
         g = profile.collective_time("all_gather", k, gbytes / units / k, inside)
         r = profile.collective_time("reduce_scatter", k, gbytes / units, inside)
         if k < group:
@@ -292,17 +309,18 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
 
 
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,
-            phases: dict, zero_shard: int = 0, fused: bool = False) -> dict[str, float]:
-    states = model_states(graph, sp * dp, zero_stage, zero_shard)
-    s_loc = S / sp
-    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S, fused=fused)
+            phases: dict, zero_shard: int = 0, fused: bool = False, tp: int = 1) -> dict[str, float]:
+    states = model_states(graph, sp * dp, zero_stage, zero_shard, tp)
+    s_loc = S / (sp * tp)           # TP splits what the layers keep t ways (tensor_parallel.py)
+    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S, fused=fused, tp=tp)
+    workspace += gathered_input_bytes(graph, S / sp, tp)
     extra_layers = untraced_layer_activations(graph, s_loc)
     # The strategy's buffers exist only around attention: they raise the peak only if the
     # schedule is near its peak there (the peak is often at the loss, where they are gone).
     step = max(step_peak, at_attention + workspace) + extra_layers
     phases["untraced"] = extra_layers
     activations = step_peak + extra_layers - grads_traced
-    gathered = zero3_transient(graph) if zero_stage == 3 and sp * dp > 1 else 0.0
+    gathered = zero3_transient(graph, tp) if zero_stage == 3 and sp * dp > 1 else 0.0
     if gathered:        # ZeRO 3 in the graph: gradients leave as shards, a unit at a time whole
         step += gathered - grads_traced + states["gradients"]
         grads_traced = states["gradients"]
@@ -311,7 +329,7 @@ def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspa
             "peak": states["parameters"] + states["optimizer"] + step - grads_traced + states["gradients"]}
 
 
-def zero3_transient(graph: OpGraph) -> float:
+def zero3_transient(graph: OpGraph, tp: int = 1) -> float:
     """ZeRO 3 gathered inside the graph (:mod:`autosp.transform.zero.gather`): besides its shards a rank
     holds about three copies of one unit at its backward's peak: blocking, the parameters gathered
     again, their whole gradients and the flat buffer the reduce-scatter sends; overlapped
@@ -319,7 +337,7 @@ def zero3_transient(graph: OpGraph) -> float:
     still in flight (the parameters are dead by then). A unit is a transformer block, or the
     embedding or the head (half the parameters outside the blocks)."""
     unit = max([lc.params for lc in graph.layer_classes.values()] + [graph.nonlayer_params / 2])
-    return 3 * unit * dtype_bytes(graph.dtype)
+    return 3 * unit * dtype_bytes(graph.dtype) * params_per_rank(graph, tp) / graph.total_params
 
 
 def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: str | Strategy, seq_len: int,

@@ -1,7 +1,7 @@
 """The ILP's candidates: meshes, and under each every layer class's options, costed.
 
-Candidates are meshes (SP degree x token layout x loss chunks, ZeRO 3's sharding group, where
-the optimizer steps); under each, every layer class may take any (strategy, checkpointing, MLP
+Candidates are meshes (TP degree x SP degree x token layout x loss chunks, ZeRO 3's sharding
+group, where the optimizer steps; DP takes the rest of the world); under each, every layer class may take any (strategy, checkpointing, MLP
 chunks, MLP input kept or recomputed under full checkpointing, offload) option, where the
 strategies are the registry's legal candidates for that mesh (:func:`autosp.strategies.candidates`:
 Ulysses, ring, all-gather-KV, every Ulysses x ring shape, ...). The time and memory of each option
@@ -19,6 +19,7 @@ from autosp.costmodel.phases import (first_layer_own, offloaded_own, own_bytes, 
                                     with_strategy_own)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile
+from autosp.costmodel.tensor_parallel import TP_DEGREES, check_tp_degree, legal_tp_degrees, local_attention
 from autosp.decisions import LayerChoice, MeshChoice, mlp_chunk_counts
 from autosp.errors import AutospError
 from autosp.planner.ilp import Candidate, Option
@@ -48,20 +49,19 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
         _host_refused(prof, "the optimizer in host memory", host_optimizers, "host_optimizer",
                       "Decisions(mesh=autosp.MeshChoice(host_optimizer=True))")
         host_optimizers = (False,)
-    optimizer = model_states(graph, world, zero_stage, zero_shard)["optimizer"]
-    host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
-    host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
     nodes = graph.attention_nodes("fwd")
     if not nodes:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
-    shape = attention_shape(nodes[0], seq_len, graph.attention_dropout, documents)
+    whole = attention_shape(nodes[0], seq_len, graph.attention_dropout, documents)
     cands: list[Candidate] = []
     total_layers = sum(lc.count for lc in graph.layer_classes.values())
     width = hidden_bytes(graph, 1.0) / dtype_bytes(graph.dtype)        # the hidden size, for ALST's MLP chunks
-    for sp in _divisors(world):
-        if space.sp_degrees is not None and sp not in space.sp_degrees:
-            continue
-        tokens = seq_len / sp
+    for tp, sp in _tp_by_sp(problem, whole.heads, whole.kv_heads):
+        shape = local_attention(whole, tp)
+        optimizer = model_states(graph, world // tp, zero_stage, zero_shard, tp)["optimizer"]
+        host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
+        host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
+        tokens = seq_len / (sp * tp)        # what a rank's layers keep: TP splits it too (tensor_parallel.py)
         tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
         # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
         # in its own backward
@@ -77,40 +77,42 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
         for layout, kl in itertools.product(layouts, loss_chunks):
             if seq_len % n_chunks(layout, sp):
                 continue
-            mesh = SPMesh(sp, layout, dpn, overlap)
+            mesh = SPMesh(sp, layout, max(1, dpn // tp), overlap)
             strats = candidates(mesh, shape, space.strategies)
             if not strats:
                 continue
             if layout not in by_layout:
                 by_layout[layout] = {st.spec: predict(graph, prof, sp=sp, strategy=st, layout=layout, seq_len=seq_len,
-                                                      dp=world // sp, zero_stage=zero_stage, devices_per_node=dpn,
-                                                      documents=documents, overlap=overlap,
-                                                      zero_shard=zero_shard, fused=fused) for st in strats}
+                                                      dp=world // (sp * tp), zero_stage=zero_stage,
+                                                      devices_per_node=dpn, documents=documents, overlap=overlap,
+                                                      zero_shard=zero_shard, fused=fused, tp=tp) for st in strats}
             ps = by_layout[layout]
             first = ps[strats[0].spec]
-            layer_time = {st: p.layer_compute_s + p.attention_exposed_s for st, p in ps.items()}
+            # the layers' TP collectives are theirs (a full recompute repeats the forward's)
+            layer_time = {st: p.layer_compute_s + p.attention_exposed_s + p.tp_layer_s for st, p in ps.items()}
             # What lies outside the layers is not the same for every strategy: ZeRO/DP
             # communication hides behind the layers' compute, so a strategy with longer kernels
             # leaves less of it exposed. Each option carries its share of the difference from the
             # first strategy's, so a plan whose layers all take one strategy costs exactly what
             # `predict` says for it (mixed strategies: the layers' shares, linearly).
-            outside = {st: (p.total_s - layer_time[st], p.exposed_comm_s - p.attention_exposed_s)
+            outside = {st: (p.total_s - layer_time[st], p.exposed_comm_s - p.attention_exposed_s - p.tp_layer_s)
                        for st, p in ps.items()}
             # each strategy's workspace is its options' own: it exists in its layers' backward
             terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
                                first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
             base_time, base_exposed = outside[first.strategy]
-            cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard, zero_stage=zero_stage),
+            cand = Candidate(key=MeshChoice(sp, layout, kl, zero_shard, zero_stage=zero_stage, tp_degree=tp),
                              base_time_s=base_time + (first.head_forward_s if kl > 1 else 0.0)
                              + _chunk_overhead(prof, graph.dtype, kl, LOSS_OPS),
-                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed)
+                             base_mem_bytes=terms.pop("loss"), phase_mem_bytes=terms, base_exposed_s=base_exposed,
+                             base_tp_exposed_s=first.tp_comm_s - first.tp_layer_s)
             for fp, lc in graph.layer_classes.items():
                 share = lc.count / total_layers
                 opts = []
                 for st, p in ps.items():
                     recompute = {"none": 0.0, "selective": p.layer_forward_pointwise_s,
-                                 "full": p.layer_forward_s + p.attention_fwd_s}
+                                 "full": p.layer_forward_s + p.attention_fwd_s + p.tp_layer_forward_s}
                     d_time, d_exposed = outside[st][0] - base_time, outside[st][1] - base_exposed
                     for (k, chunks, keep), off in itertools.product(memory_choices if tileable[fp] else untiled,
                                                                     offloads):
@@ -128,21 +130,34 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
                         if not off:
                             opts.append(Option(key=choice, time_s=time_s,
                                                mem_bytes=lc.count * one,
-                                               exposed_s=share * (p.attention_exposed_s + d_exposed),
+                                               exposed_s=share * (p.attention_exposed_s + p.tp_layer_s + d_exposed),
                                                sp_exposed_s=share * p.attention_exposed_s,
+                                               tp_exposed_s=share * p.tp_layer_s,
                                                own_bytes=first_layer_own(own_phases, lc.count, one)))
                             continue
                         copy = copy_exposed(prof, one, p, total_layers, recompute[k] + again)
                         opts.append(Option(key=choice,
                                            time_s=time_s + lc.count * copy,
                                            mem_bytes=one,           # the one layer whose copy is in flight
-                                           exposed_s=share * (p.attention_exposed_s + d_exposed),
+                                           exposed_s=share * (p.attention_exposed_s + p.tp_layer_s + d_exposed),
                                            sp_exposed_s=share * p.attention_exposed_s,
+                                           tp_exposed_s=share * p.tp_layer_s,
                                            own_bytes=offloaded_own(own_phases, one),
                                            host_bytes=lc.count * one, copy_exposed_s=lc.count * copy))
                 cand.options[fp] = opts
             cands.extend(_where_optimizer_steps(cand, host_optimizers, optimizer, host_step, host_states))
     return cands
+
+
+def _tp_by_sp(problem: Problem, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """The (TP degree, SP degree) pairs the space allows: TP inside a node and dividing the heads
+    (:func:`autosp.costmodel.tensor_parallel.tp_refusal`), SP dividing the rest of the world."""
+    space, world, dpn = problem.space, problem.world_size, problem.devices_per_node
+    allowed = space.tp_degrees if space.tp_degrees is not None else TP_DEGREES
+    for t in space.tp_degrees or ():        # degrees the caller fixed: each one must run
+        check_tp_degree(t, heads, kv_heads, dpn, world)
+    return [(tp, sp) for tp in legal_tp_degrees(heads, kv_heads, dpn, world, allowed)
+            for sp in _divisors(world // tp) if space.sp_degrees is None or sp in space.sp_degrees]
 
 
 def _host_refused(prof: HardwareProfile, what: str, allowed: tuple[bool, ...], option: str, fixed: str) -> None:

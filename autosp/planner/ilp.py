@@ -1,8 +1,9 @@
 r"""The planning ILP, solved with OR-Tools CP-SAT.
 
 Sets
-  G            mesh candidates g = (SP degree P_g, DP degree W/P_g, token layout,
-               Ulysses x ring shape of the hybrid option)
+  G            mesh candidates g = (TP degree t_g, SP degree P_g, DP degree W/(t_g P_g), token
+               layout, Ulysses x ring shape of the hybrid option); t_g within a node, dividing
+               the heads (TP's costs: :mod:`autosp.costmodel.tensor_parallel`)
   C            layer classes (structurally identical layers share variables, so the
                model's depth never enlarges the ILP)
   O_{g,c}      options for class c under g: (attention strategy s, checkpointing k, MLP chunks n,
@@ -83,6 +84,7 @@ class Option:
     mem_bytes: float
     exposed_s: float = 0.0     # the part of time_s that is exposed communication (for reports)
     sp_exposed_s: float = 0.0  # of it, the layers' own SP collectives (the rest: DP beside them)
+    tp_exposed_s: float = 0.0  # ... and their TP collectives
     # phase -> bytes that one layer of this option holds during its own backward beyond mem_bytes / count
     own_bytes: dict[str, float] = field(default_factory=dict)
     host_bytes: float = 0.0    # host memory its layers' offloaded saved tensors take, per rank
@@ -96,6 +98,7 @@ class Candidate:
     base_mem_bytes: float
     base_exposed_s: float = 0.0
     base_host_bytes: float = 0.0   # host memory the mesh's own decisions take per rank (optimizer states)
+    base_tp_exposed_s: float = 0.0  # of base_exposed_s, the TP collectives outside the layers (head, loss)
     options: dict[Hashable, list[Option]] = field(default_factory=dict)   # class -> options
     # (class, phase) -> memory outside the options while a layer of that class runs its backward
     phase_mem_bytes: dict[tuple[Hashable, str], float] = field(default_factory=dict)
@@ -126,9 +129,11 @@ def solve(cands: list[Candidate], memory_limit: float, time_limit_s: float = 10.
 
 
 def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
-                 time_limit_s: float = 10.0, host_limit: float = 0.0) -> list[Solution]:
+                 time_limit_s: float = 10.0, host_limit: float = 0.0,
+                 per_mesh: list[Solution] | None = None) -> list[Solution]:
     """The ``k`` best plans under the memory limit (and ``host_limit`` bytes of host memory per rank
-    for offloaded layers), best first (fewer when fewer fit).
+    for offloaded layers), best first (fewer when fewer fit); ``per_mesh``, where given, receives
+    each mesh's best plan (what the other meshes would do at best).
 
     Exactly one mesh is chosen, so the ILP splits into one model per mesh (x_g = 1): the optimum is
     the best of their optima, and the next best plan is the next of a merge in which only the model
@@ -142,6 +147,8 @@ def solve_k_best(cands: list[Candidate], memory_limit: float, k: int,
         sol = mm.next(time_limit_s)
         if sol is not None:
             heap.append((mm.objective, i, sol))
+            if per_mesh is not None:
+                per_mesh.append(sol)
     heapq.heapify(heap)
     out: list[Solution] = []
     while heap and len(out) < k:

@@ -1,7 +1,7 @@
 """``Plan``: the planner's answer, a frozen typed value and a versioned JSON document.
 
-A plan names the model (by a structural fingerprint), the world (SP x DP), the mesh's decisions
-(:class:`autosp.decisions.MeshChoice`: SP degree, token layout, loss tiling, the ZeRO stage and
+A plan names the model (by a structural fingerprint), the world (SP x TP x DP), the mesh's decisions
+(:class:`autosp.decisions.MeshChoice`: SP degree, TP degree, token layout, loss tiling, the ZeRO stage and
 ZeRO 3's sharding group, where the optimizer steps), per layer class its decisions
 (:class:`autosp.decisions.LayerChoice`) with the strategy's Ulysses x ring grid, what it predicts
 (:class:`Predicted`: the step time and its parts, the peak and its breakdown, host memory, what
@@ -103,6 +103,10 @@ class Predicted:
     compiler: str                       # what the memory model assumed runs the step
     runtime_reserved_bytes: float = 0.0     # left out of the device's memory by the default limit
     documents: tuple[int, ...] = ()         # packed documents the attention costs assumed
+    # of exposed_comm_s, TP's collectives and the layers' SP collectives (the rest: the gradient
+    # reduction over SP x DP and ZeRO's gathers)
+    exposed_tp_s: float = 0.0
+    exposed_sp_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -43,7 +43,9 @@ class SearchSpace:
     ``host_optimizers`` (whether optimizer states may live and step in host memory);
     ``overlap=False``: only strategies that do not pipeline collectives with compute;
     ``zero_shards``: ZeRO 3's sharding groups (0: every rank, k: each k ranks; ``None``: the
-    whole mesh, and one node where the world spans several)."""
+    whole mesh, and one node where the world spans several); ``tp_degrees``: tensor-parallel
+    degrees (``None``: 1, 2, 4 and 8 where they fit a node and divide the heads; the default
+    TP 1, since :func:`autosp.compile` applies no other yet: ``autosp plan`` searches them)."""
 
     sp_degrees: tuple[int, ...] | None = None
     strategies: tuple[str, ...] | None = None
@@ -54,10 +56,11 @@ class SearchSpace:
     host_optimizers: tuple[bool, ...] = HOST_OPTIMIZERS
     overlap: bool = True
     zero_shards: tuple[int, ...] | None = None
+    tp_degrees: tuple[int, ...] | None = (1,)
 
     def __post_init__(self) -> None:
         for name in ("sp_degrees", "strategies", "checkpoints", "mlp_chunks", "loss_chunks", "offloads",
-                     "host_optimizers", "zero_shards"):
+                     "host_optimizers", "zero_shards", "tp_degrees"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):      # lists from callers: frozen here
                 object.__setattr__(self, name, tuple(value))
@@ -89,6 +92,8 @@ class SearchSpace:
             parts.append("st" + "-".join(self.strategies))
         if self.zero_shards is not None:
             parts.append("zs" + "-".join(map(str, self.zero_shards)))
+        if self.tp_degrees != (1,):
+            parts.append("tp" + ("-".join(map(str, self.tp_degrees)) if self.tp_degrees else "any"))
         if not self.overlap:
             parts.append("serial")
         return "-".join(parts)

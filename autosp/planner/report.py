@@ -79,7 +79,10 @@ def plan_table(plan: Plan) -> list:  # -> list of rich renderables
                        f"{f' sharded per {mesh.zero_shard} ranks, HSDP' if mesh.zero_shard else ''})")
     head.add_column("decision")
     head.add_column("value", justify="right")
-    head.add_row("SP x DP", f"{mesh.sp_degree} x {plan.dp_degree}")
+    head.add_row("SP x TP x DP", f"{mesh.sp_degree} x {mesh.tp_degree} x {plan.dp_degree}")
+    if mesh.tp_degree > 1:
+        head.add_row("  TP", f"Megatron style inside a node, costed (not yet applied by autosp.compile: "
+                             f"--tp 1 plans what it runs)")
     head.add_row("token layout", mesh.layout)
     for layer in plan.layers:
         c = layer.choice
@@ -99,8 +102,11 @@ def plan_table(plan: Plan) -> list:  # -> list of rich renderables
         head.add_row("  what each saves", ", ".join(f"{k} {human(v, 'B')}" for k, v in pr.saved_by))
     head.add_section()
     copies = f", exposed host copies {pr.exposed_copy_s:.3f}" if pr.host_bytes else ""
+    rest = pr.exposed_comm_s - pr.exposed_tp_s - pr.exposed_sp_s
     head.add_row("step time", f"{pr.total_s:.3f} s (compute {pr.compute_s:.3f}, exposed comm "
                               f"{pr.exposed_comm_s:.3f}{copies})")
+    head.add_row("  exposed comm by axis", (f"TP {pr.exposed_tp_s:.3f} s, " if mesh.tp_degree > 1 else "")
+                 + f"SP attention {pr.exposed_sp_s:.3f} s, gradients and ZeRO gathers {rest:.3f} s")
     kept = f", {plan.memory_margin:.0%} kept free" if plan.memory_margin else ""
     runtime = pr.runtime_reserved_bytes
     held = (f" (the device's {human(plan.memory_limit_bytes + runtime, 'B')} less {human(runtime, 'B')} the CUDA "
@@ -130,9 +136,9 @@ def plan_table(plan: Plan) -> list:  # -> list of rich renderables
         head.add_row("solver", f"{plan.solver.status} in {plan.solver.solve_s:.2f} s "
                                f"({plan.solver.variables} variables, {plan.solver.solves} solves)")
     alts = Table(title="runner-ups (from the solver)")
-    for col in ("SP", "layout", "layers", "step (s)", "vs chosen", "peak memory"):
+    for col in ("SP x TP", "layout", "layers", "step (s)", "vs chosen", "peak memory"):
         alts.add_column(col, justify="left" if col == "layers" else "right")
     for a in plan.alternatives:
-        alts.add_row(str(a.mesh.sp_degree), a.mesh.layout, layer_choices(a), f"{a.total_s:.3f}",
+        alts.add_row(f"{a.mesh.sp_degree} x {a.mesh.tp_degree}", a.mesh.layout, layer_choices(a), f"{a.total_s:.3f}",
                      f"{a.total_s / pr.total_s:.2f}x", human(a.peak_bytes, "B"))
     return [head, alts]

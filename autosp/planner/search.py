@@ -51,11 +51,13 @@ def plan(problem: Problem, *, alternatives: int = 5) -> Plan:
         cands = build_candidates(problem, shard)
         t_cost += time.perf_counter() - t0
         t1 = time.perf_counter()
-        ranked = solve_k_best(cands, problem.budget, alternatives + 1, host_limit=host_limit(problem)) if cands else []
+        firsts: list[Solution] = []
+        ranked = solve_k_best(cands, problem.budget, alternatives + 1, host_limit=host_limit(problem),
+                              per_mesh=firsts) if cands else []
         t_solve += time.perf_counter() - t1
         if best is None or (ranked and (not best[1] or ranked[0].time_s < best[1][0].time_s)):
-            best = (shard, ranked, cands)
-    _, ranked, cands = best
+            best = (shard, ranked, cands, firsts)
+    _, ranked, cands, firsts = best
     if not ranked:
         if not cands:
             raise AutospError(f"no strategy in {', '.join(problem.space.strategies or ())} can run "
@@ -65,7 +67,18 @@ def plan(problem: Problem, *, alternatives: int = 5) -> Plan:
     sol = ranked[0]
     solver = Solver(status=sol.status, candidates=len(cands), solves=len(ranked), cost_s=t_cost, solve_s=t_solve,
                     variables=len(cands) + sum(len(o) for c in cands for o in c.options.values()))
-    return _to_plan(problem, sol, ranked[1:], {c.key: c for c in cands}, solver)
+    return _to_plan(problem, sol, ranked[1:] + _other_tp_degrees(ranked, firsts), {c.key: c for c in cands}, solver)
+
+
+def _other_tp_degrees(ranked: list[Solution], firsts: list[Solution]) -> list[Solution]:
+    """The best plan at each TP degree none of the runner-ups has (what TP 2 or 1 would do at best)."""
+    seen = {s.mesh.tp_degree for s in ranked}
+    best: dict[int, Solution] = {}
+    for s in firsts:
+        t = s.mesh.tp_degree
+        if t not in seen and (t not in best or s.time_s < best[t].time_s):
+            best[t] = s
+    return sorted(best.values(), key=lambda s: s.time_s)
 
 
 def _runner_up(problem: Problem, sol: Solution, cand: Candidate) -> RunnerUp:
@@ -76,7 +89,7 @@ def _runner_up(problem: Problem, sol: Solution, cand: Candidate) -> RunnerUp:
     copies = sum(opts[fp][key].copy_exposed_s for fp, key in sol.choice.items())
     host = cand.base_host_bytes + sum(opts[fp][key].host_bytes for fp, key in sol.choice.items())
     peak = problem.profile.peak_flops(g.dtype)
-    flops = g.total_flops(problem.seq_len) / mesh.sp_degree
+    flops = g.total_flops(problem.seq_len) / (mesh.sp_degree * mesh.tp_degree)
     return RunnerUp(mesh=mesh, layers=tuple(RunnerUpLayer(fp, g.layer_classes[fp].module_type, choice)
                                             for fp, choice in sol.choice.items()),
                     total_s=sol.time_s, peak_bytes=sol.mem_bytes, exposed_comm_s=exposed, exposed_copy_s=copies,
@@ -86,9 +99,9 @@ def _runner_up(problem: Problem, sol: Solution, cand: Candidate) -> RunnerUp:
 
 def _to_plan(problem: Problem, sol: Solution, alts: list[Solution], cands: dict, solver: Solver) -> Plan:
     g, prof, seq_len = problem.graph, problem.profile, problem.seq_len
-    sp = sol.mesh.sp_degree
+    sp, tp = sol.mesh.sp_degree, sol.mesh.tp_degree
     main = _runner_up(problem, sol, cands[sol.mesh])
-    mesh = SPMesh(sp, sol.mesh.layout, problem.devices_per_node)
+    mesh = SPMesh(sp, sol.mesh.layout, max(1, problem.devices_per_node // tp))
     layers = []
     for fp, lc in g.layer_classes.items():
         choice: LayerChoice = sol.choice[fp]
@@ -97,7 +110,7 @@ def _to_plan(problem: Problem, sol: Solution, alts: list[Solution], cands: dict,
         chosen = next(o for o in cands[sol.mesh].options[fp] if o.key == choice)
         layers.append(LayerPlan(lc.module_type, fp, lc.count, choice, ulysses_degree=u, ring_degree=r,
                                 overlap=strat.overlap, exposed_comm_s=chosen.sp_exposed_s))
-    states = model_states(g, problem.world_size, problem.zero_stage, sol.mesh.zero_shard)
+    states = model_states(g, problem.world_size // tp, problem.zero_stage, sol.mesh.zero_shard, tp)
     on_host = states["optimizer"] if sol.mesh.host_optimizer else 0.0
     states["optimizer"] -= on_host      # stepped on the host: its states hold no device memory
     saved_by = _what_each_saves(cands, sol)
@@ -106,26 +119,37 @@ def _to_plan(problem: Problem, sol: Solution, alts: list[Solution], cands: dict,
     host_budget = host_limit(problem) if prof.host_memory_bytes else 0.0
     predicted = Predicted(
         total_s=sol.time_s, compute_s=main.compute_s, exposed_comm_s=main.exposed_comm_s,
+        **_exposed_by(cands[sol.mesh], sol),
         # offload: host memory per rank its layers' saved tensors (and optimizer states, when
         # stepped there) take, and the copies' exposed time
         host_bytes=main.host_bytes, exposed_copy_s=main.exposed_copy_s,
         host_optimizer_bytes=cands[sol.mesh].base_host_bytes,
         host_optimizer_step_s=host_optimizer_step(prof, on_host, dtype_bytes(g.dtype)) if on_host else 0.0,
         memory=Memory(**states, activations=sol.mem_bytes - sum(states.values()), peak=sol.mem_bytes),
-        peak_bytes=sol.mem_bytes, tokens_per_s_per_device=g.batch_size * seq_len / sp / sol.time_s, mfu=main.mfu,
+        peak_bytes=sol.mem_bytes, tokens_per_s_per_device=g.batch_size * seq_len / (sp * tp) / sol.time_s,
+        mfu=main.mfu,
         saved_by=tuple(saved_by.items()),
         # what bounds the context: the captured step's largest tensors at its peak, per rank,
         # before checkpointing and tiling (the decisions above shrink some of them)
         largest_live=tuple(LiveTensor(**{**t, "shape": tuple(t["shape"])})
-                           for t in largest_live(g, seq_len / sp, full=seq_len)),
+                           for t in largest_live(g, seq_len / (sp * tp), full=seq_len)),
         bound_by=_bound_by(g, cands[sol.mesh], sol, main.host_bytes, host_budget),
         compiler=problem.compiler, runtime_reserved_bytes=problem.runtime_reserved_bytes,
         documents=problem.documents)
     return Plan(model=g.model_name, fingerprint=model_fingerprint(g), seq_len=seq_len, batch_size=g.batch_size,
                 dtype=g.dtype, world_size=problem.world_size, devices_per_node=problem.devices_per_node,
-                dp_degree=problem.world_size // sp, mesh=sol.mesh, layers=tuple(layers), predicted=predicted,
+                dp_degree=problem.world_size // (sp * tp), mesh=sol.mesh, layers=tuple(layers), predicted=predicted,
                 profile=prof.name, memory_limit_bytes=problem.memory_limit, memory_margin=problem.memory_margin,
                 alternatives=tuple(_runner_up(problem, a, cands[a.mesh]) for a in alts), solver=solver)
+
+
+def _exposed_by(cand: Candidate, sol: Solution) -> dict[str, float]:
+    """The plan's exposed communication by axis: TP's collectives, the layers' SP collectives, and
+    the rest (the gradient reduction over SP x DP, ZeRO's gathers)."""
+    opts = {fp: {o.key: o for o in os} for fp, os in cand.options.items()}
+    chosen = [opts[fp][key] for fp, key in sol.choice.items()]
+    return {"exposed_tp_s": cand.base_tp_exposed_s + sum(o.tp_exposed_s for o in chosen),
+            "exposed_sp_s": sum(o.sp_exposed_s for o in chosen)}
 
 
 def _bound_by(g: OpGraph, cand: Candidate, sol: Solution, host: float, budget: float) -> BoundBy:

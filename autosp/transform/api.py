@@ -57,6 +57,11 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
     zero_shard = (decisions.mesh.zero_shard or "mesh") if zero.shard == "mesh" else zero.shard
     for c in decisions.layers:
         check_spec(c.strategy)
+    if decisions.mesh.tp_degree > 1:
+        # the planner costs TP meshes (autosp.costmodel.tensor_parallel); the graph passes do not split weights yet
+        raise AutospError(f"this plan splits each layer's weights over a tensor-parallel axis of "
+                          f"{decisions.mesh.tp_degree} ranks, which autosp plans but does not apply yet; re-plan "
+                          "without it (`autosp plan ... --tp 1`, or SearchSpace(tp_degrees=(1,)))")
     if not runtime.overlap:
         decisions = without_overlap(decisions)
     check_zero_stage(zero_stage)
