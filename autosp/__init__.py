@@ -10,6 +10,9 @@ Public API:
     autosp.Plan                     the plan document (save / load / check)
     autosp.load_profile(name)       a hardware profile (costmodel/, profiles/)
     autosp.capture(model, ...)      the OpGraph of one training step on fake tensors (graph/)
+    autosp.tensor_parallel(model, group, batch)
+                                    split a model's linear pairs over a TP group (transform/tensor_parallel.py;
+                                    autosp.compile does it for a Hugging Face model given a 'tp' mesh)
     autosp.token_local(cls)         declare a module whose output per token depends on that token alone
     autosp.checkpoint.save / load   resumable checkpoints (torch.distributed.checkpoint)
     autosp.data.pack / collate      pack documents into rows of a window, with restarting positions
@@ -28,8 +31,9 @@ from autosp.planner.plan import Plan
 from autosp.planner.problem import Problem
 from autosp.planner.search import plan
 from autosp.transform.api import SequenceParallel
+from autosp.transform.tensor_parallel import parallelize as tensor_parallel
 from autosp.transform.token_local import token_local
 
 __all__ = ["compile", "Auto", "Zero", "Runtime", "Decisions", "LayerChoice", "MeshChoice", "plan", "Plan", "Problem",
-           "load_profile", "capture", "OpGraph", "SequenceParallel", "MixedDegree", "AutospError", "token_local", "checkpoint", "data"]
+           "load_profile", "capture", "OpGraph", "SequenceParallel", "MixedDegree", "AutospError", "token_local", "tensor_parallel", "checkpoint", "data"]
 __version__ = "0.1.0"

@@ -140,7 +140,7 @@ class AutoPlanner:
                           zero_stage=self.zero_stage or 0, dtype=str(param.dtype).replace("torch.", ""),
                           compiler=self.compiler or "inductor", documents=documents,
                           space=SearchSpace.within(self.auto, sp_degrees=(world,), overlap=self.overlap,
-                                                   tp_degrees=(1,)))     # the graph passes split no weights yet
+                                                   tp_degrees=(1,)))     # the mesh (and its TP) is the caller's
 
     def plan(self, module: nn.Module, batch_size: int, seq_len: int, world: int,
              documents: tuple[int, ...] = ()) -> Plan:

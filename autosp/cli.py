@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "them, in host memory where the profile has it)")
     p.add_argument("--tp", default="auto",
                    help="the tensor-parallel degree, or auto (default): the planner chooses 1, 2, 4 or 8 inside a "
-                        "node (autosp.compile applies TP 1 plans only so far: --tp 1 for a plan it runs)")
+                        "node (autosp.compile applies the plan on a ('dp', 'sp', 'tp') mesh it builds)")
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="what will run the step (default Inductor, autosp's; it fuses pointwise chains, so "
                         "the others need more memory)")

@@ -7,11 +7,13 @@ process without any parallelism. The cases live by topic:
     cases_planning    memory budgets, saved plans, the first call's planner, lengths, documents
     cases_memory      what checkpointing, tiling, ring, written attention and offload hold
     cases_mesh        DP x SP, ZeRO 0-3, accumulation, resumable checkpoints
+    cases_tensor_parallel  TP x SP (x DP) against one process
 """
 
 from cases_exactness import *  # noqa: F401,F403
 from cases_memory import *  # noqa: F401,F403
 from cases_mesh import *  # noqa: F401,F403
 from cases_planning import *  # noqa: F401,F403
+from cases_tensor_parallel import *  # noqa: F401,F403
 from dist_models import *  # noqa: F401,F403
 from dist_models import _batch, _loss, _rel  # noqa: F401 - what jobs launched apart (deepspeed_job) read

@@ -32,9 +32,18 @@ from __future__ import annotations
 from typing import Any
 
 from autosp.costmodel.dtypes import DTYPE_BYTES, dtype_bytes  # noqa: F401 - where callers read them
-from autosp.costmodel.tensor_parallel import params_per_rank
 from autosp.graph import OpGraph, OpKind, evaluate
 
+
+
+def params_per_rank(graph: OpGraph, t: int) -> float:
+    """Parameters one rank of a TP group of ``t`` holds: the blocks' / t, the rest whole (the
+    blocks' norm weights, under 0.01% of a block, counted as split; the rule:
+    :mod:`autosp.costmodel.tensor_parallel`)."""
+    n = float(graph.total_params)
+    if t == 1:
+        return n
+    return graph.nonlayer_params + (n - graph.nonlayer_params) / t
 
 
 def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0, tp: int = 1) -> dict[str, float]:
@@ -52,14 +61,14 @@ def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0, tp
 
 
 def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
-                  full: float | None = None, fused: bool = False, tp: int = 1) -> tuple[float, float, float]:
+                  full: float | None = None, fused: bool = False, tp: int = 1,
+                  split: frozenset = frozenset()) -> tuple[float, float, float]:
     """(peak live bytes over the captured schedule, gradients alive at the end, most bytes live
     while an attention op runs), with sizes at ``tokens`` per rank; ``phases`` is
     filled with the peaks of the schedule's phases (:func:`_phases`), which the memory decisions
     change differently; ``fused``: as Inductor runs it, the pointwise chains it fuses never
     written (:func:`autosp.costmodel.fusion.fused_away`); ``tp``: a TP degree, which splits the
-    tensors whose size does not follow the tokens (weights, their gradients) t ways too (the
-    caller passes ``tokens`` already split: :mod:`autosp.costmodel.tensor_parallel`)."""
+    ``split`` buffers t ways (:func:`autosp.costmodel.tensor_parallel.split_ops`)."""
     from autosp.costmodel.fusion import fused_away
 
     if "liveness" not in graph.memo:         # the schedule's structure; only sizes depend on tokens
@@ -69,10 +78,8 @@ def liveness_peak(graph: OpGraph, tokens: float, phases: dict | None = None,
     # one every rank makes whole from positions alone (a mask, rotary tables) at the ``full`` length
     size = {b: 0.0 if b in gone else evaluate(ops[b].bytes_written, full if full and ops[b].replicated else tokens)
             for b in last}
-    if tp > 1:
-        for b in size:
-            if not ops[b].replicated and size[b] == evaluate(ops[b].bytes_written, 2 * tokens):
-                size[b] /= tp
+    for b in split & size.keys() if tp > 1 else ():
+        size[b] /= tp
     end = len(order)
     grads = sum(size[b] for b, i in last.items() if i == end)
     live = peak = at_attention = 0.0

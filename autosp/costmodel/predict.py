@@ -18,8 +18,9 @@ Time (per device, one step):
             :mod:`autosp.costmodel.overlap`), and the gradient reduction of ZeRO stages 0/1
             in buckets beside the backward (:func:`_gradient_comm`)
   total     compute + exposed
-  TP        a tensor-parallel degree t divides every op's work and the attention's heads by t and
-            adds its per-layer collectives, exposed (:mod:`autosp.costmodel.tensor_parallel`)
+  TP        a tensor-parallel degree t divides the work of the blocks' attention and MLP modules
+            and the attention's heads by t and adds its per-layer collectives, exposed
+            (:mod:`autosp.costmodel.tensor_parallel`)
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
             every compute time x (ranks on the node / devices), attention kernels at least the
@@ -40,7 +41,7 @@ from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, ti
 from autosp.costmodel.phases import decided_peak, peak_terms
 from autosp.costmodel.overlap import transfer_times
 from autosp.costmodel.profile import HardwareProfile
-from autosp.costmodel.tensor_parallel import gathered_input_bytes, local_attention, params_per_rank, tp_comm
+from autosp.costmodel.tensor_parallel import local_attention, params_per_rank, saved_share, split_ops, tp_comm
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, OpNode, evaluate
 from autosp.strategies import AUTO, AttentionCost, AttentionShape, SPMesh, Strategy, pick, required_layout, resolve
@@ -122,14 +123,17 @@ def made_before(graph: OpGraph, attention: OpNode, profile: HardwareProfile, s_l
             for role, name in zip(("q", "k", "v"), list(graph.graph.predecessors(attention.name))[:3])}
     first = min(made.values(), default=attention.index)
     # each op between the earliest input and the attention timed once, then summed per input
-    between = [(n.index, _op_time(n, profile, s_loc, share, graph.dtype, tp) + overhead)
+    split = split_ops(graph)[0] if tp > 1 else frozenset()
+    between = [(n.index, _op_time(n, profile, s_loc, share, graph.dtype, tp, split) + overhead)
                for n in graph.nodes(phase="fwd", layer=attention.layer)
                if first < n.index < attention.index and n.kind not in (OpKind.VIEW, OpKind.ATTENTION)]
     return {role: sum(t for i, t in between if i > index) for role, index in made.items()}
 
 
-def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str, tp: int = 1) -> float:
-    # TP divides each op's work (matmuls split by features, the rest by tokens or features)
+def _op_time(a: OpNode, profile: HardwareProfile, s_loc: float, share: float, dtype: str, tp: int = 1,
+             split: frozenset = frozenset()) -> float:
+    # TP divides the work of the ops inside the split modules (tensor_parallel.split_ops)
+    tp = tp if a.name in split else 1
     if a.kind == OpKind.MATMUL:
         return share * profile.matmul_time(evaluate(a.flops, s_loc) / tp, a.dtypes[0] if a.dtypes else dtype)
     return share * profile.memory_bound_time((evaluate(a.bytes_read, s_loc) + evaluate(a.bytes_written, s_loc)) / tp)
@@ -169,6 +173,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                    total_s=0.0, memory={}, peak_bytes=0.0, model_flops=0.0, mfu=0.0, tokens_per_s=0.0)
     workspace = backward_s = 0.0
     mlps = {tiled_region(graph, lc.captured[0]) for lc in graph.layer_classes.values()} - {None}
+    split = split_ops(graph)[0] if tp > 1 else frozenset()
     for a, w in graph.weighted_nodes():
         if a.kind == OpKind.VIEW:
             continue
@@ -201,11 +206,11 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                 p.attention_exposed_bwd_s += w * bwd_exposed
                 workspace = cost.workspace_bytes if sp > 1 else 0.0
         elif a.kind == OpKind.MATMUL:
-            t = _op_time(a, profile, s_loc, share, dtype, tp)
+            t = _op_time(a, profile, s_loc, share, dtype, tp, split)
             if a.layer is None and a.phase == "fwd":
                 p.head_forward_s += w * (t + overhead)
         else:
-            t = _op_time(a, profile, s_loc, share, dtype, tp)
+            t = _op_time(a, profile, s_loc, share, dtype, tp, split)
             if a.layer is not None and a.phase == "fwd":
                 p.layer_forward_pointwise_s += w * (t + overhead)
         p.compute_s += w * (t + overhead)
@@ -311,10 +316,11 @@ def _gradient_comm(graph: OpGraph, profile: HardwareProfile, group: int, zero_st
 def _memory(graph: OpGraph, S: float, sp: int, dp: int, zero_stage: int, workspace: float,
             phases: dict, zero_shard: int = 0, fused: bool = False, tp: int = 1) -> dict[str, float]:
     states = model_states(graph, sp * dp, zero_stage, zero_shard, tp)
-    s_loc = S / (sp * tp)           # TP splits what the layers keep t ways (tensor_parallel.py)
-    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S, fused=fused, tp=tp)
-    workspace += gathered_input_bytes(graph, S / sp, tp)
-    extra_layers = untraced_layer_activations(graph, s_loc)
+    s_loc = S / sp
+    # TP splits what its rule splits t ways (tensor_parallel.py)
+    step_peak, grads_traced, at_attention = liveness_peak(graph, s_loc, phases, full=S, fused=fused, tp=tp,
+                                                          split=split_ops(graph)[1] if tp > 1 else frozenset())
+    extra_layers = untraced_layer_activations(graph, s_loc) * saved_share(graph, tp)
     # The strategy's buffers exist only around attention: they raise the peak only if the
     # schedule is near its peak there (the peak is often at the loss, where they are gone).
     step = max(step_peak, at_attention + workspace) + extra_layers

@@ -1,35 +1,34 @@
-"""What a tensor-parallel (TP) degree t does to one training step, Megatron style with its
-sequence parallelism: the rule every cost and memory figure of a TP plan is derived from.
+"""What a tensor-parallel (TP) degree t does to one training step, as autosp's runtime runs it
+(:mod:`autosp.transform.tensor_parallel`): the rule every cost and memory figure of a TP plan
+is derived from.
 
 A TP group is t ranks of one node (its collectives run per layer, on the node's fast links).
-Inside a transformer block, q/k/v and gate/up projections are split column-wise (by heads, by
-intermediate features), the output and down projections row-wise; between blocks the
-activations are split on the tokens over the group (Megatron's sequence parallelism), so norms
-and residuals are not replicated either. The embedding and LM head are split on the vocabulary
-and the loss is computed without gathering the logits. So, per rank, at S/P tokens of its SP
-shard (P the SP degree):
+Inside a transformer block, the attention module's q/k/v projections are split by heads
+(column-parallel) and its output projection by its input features (row-parallel); the MLP
+module's first linear layers column-parallel, its last row-parallel. The ranks of a group hold
+the same tokens (those of their SP shard, S/P): a module's input is whole on each, its output
+summed over the group. So, per rank:
 
-    work         every op's FLOPs and bytes / t (the matmuls at their per-rank size: small
-                 ones run less efficiently, the profile's tables say how much)
-    attention    heads / t per rank; key/value heads / t where t divides them, else each rank
-                 holds the one key/value head its query heads read (replicated: t a multiple of
-                 the key/value heads); the SP strategy runs on these local heads
-    parameters   all / t, but the key/value projections replicated where t exceeds their heads
-                 (what is replicated stays whole); gradients and optimizer states follow, and
-                 ZeRO shards them over the other axes
-    activations  what a layer keeps / t (token-sharded between the column- and row-parallel
-                 ops, head- or feature-sharded inside them): the schedule's liveness at
-                 S / (P t) tokens, plus the gathered input of the running block, one hidden
-                 state at S/P tokens
-    collectives  per block (attention, MLP), of one hidden state at S/P tokens, h = B S/P H bytes:
-                   forward   all-gather of the block's input, reduce-scatter of its output
-                   backward  all-gather of the output's gradient, reduce-scatter of the input's,
-                             and the input gathered again for the weight gradients (the layer
-                             keeps it split)
-                 outside the blocks the same for the head's input and the embedding's output
-                 (2 + 2 collectives), and the vocabulary-parallel loss's all-reduces of B S/P
-                 fp32 values (the row maxima, the sums of exponentials, the target logits)
+    work         inside a block's attention and MLP modules (the captured graph's regions: the
+                 one its attention op ran in, the tileable MLP), forward and backward: every
+                 matmul's FLOPs / t (at its per-rank size: small ones run less efficiently, the
+                 profile's tables say how much), and every other op's bytes / t but a hidden
+                 state's (the row-parallel output, whole after its sum); the attention at heads / t
+                 (key/value heads / t: t must divide both); the rest of the block (norms,
+                 residuals) and everything outside the blocks (embedding, LM head, loss) whole
+    parameters   the blocks' / t, the rest (embedding, LM head) whole; gradients and optimizer
+                 states follow, and ZeRO shards them over the other axes
+    activations  the schedule's liveness at S/P tokens with the tensors the work rule splits / t
+                 (a tensor whose last dim is the hidden size counted whole: errs on the side of
+                 memory where heads x head dim equals it)
+    collectives  per block module, of one hidden state at S/P tokens (h = B S/P H bytes): an
+                 all-reduce of its output forward, of its input's gradient backward (a full
+                 recompute repeats the forward's); the per-head norms' gradient sums are tiny
+                 and left out
     exposed      all of it: the runtime issues them blocking, so nothing is claimed hidden
+
+What Megatron adds beyond this (the hidden states between the modules split on the tokens, the
+vocabulary split) is not run yet, so not costed.
 
 The DESIGN's one rule for parameters: a parameter is split by TP or replicated, then sharded by
 ZeRO over the other axes (:func:`autosp.costmodel.memory.model_states`).
@@ -40,16 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autosp.costmodel.dtypes import dtype_bytes
+from autosp.costmodel.memory import params_per_rank, tiled_region  # noqa: F401 - params_per_rank: the TP rule's
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, evaluate
 
 TP_DEGREES = (1, 2, 4, 8)           # what the planner searches (within a node, dividing the heads)
-# collectives per block: forward 2, backward 3 (the input gathered again for the weight gradients)
-FORWARD_PER_BLOCK = 2
-BACKWARD_PER_BLOCK = 3
-BLOCKS_PER_LAYER = 2                # attention and MLP
-LOSS_ALL_REDUCES = 3                # the row maxima, the sums of exponentials, the target logits
+BLOCKS_PER_LAYER = 2                # attention and MLP modules: an all-reduce forward, one backward each
 
 
 def tp_refusal(t: int, heads: int, kv_heads: int, devices_per_node: int, world_size: int) -> str:
@@ -64,8 +60,8 @@ def tp_refusal(t: int, heads: int, kv_heads: int, devices_per_node: int, world_s
         return f"the world of {world_size} devices does not divide into TP groups of {t}"
     if heads % t:
         return f"{heads} attention heads do not divide over {t} ranks"
-    if kv_heads % t and t % kv_heads:
-        return f"{kv_heads} key/value heads neither divide over {t} ranks nor divide {t} (to be replicated)"
+    if kv_heads % t:
+        return f"{kv_heads} key/value heads do not divide over {t} ranks"
     return ""
 
 
@@ -86,16 +82,11 @@ def check_tp_degree(t: int, heads: int, kv_heads: int, devices_per_node: int, wo
         raise AutospError(f"TP degree {t} cannot run: {why}; use one of {', '.join(map(str, ok))}")
 
 
-def local_kv_heads(kv_heads: int, t: int) -> int:
-    """Key/value heads a rank holds: split where ``t`` divides them, else the one its queries read."""
-    return kv_heads // t if kv_heads % t == 0 else 1
-
-
 def local_attention(shape, t: int):
     """An :class:`autosp.strategies.AttentionShape` as one rank of a TP group of ``t`` sees it."""
     if t == 1:
         return shape
-    return replace(shape, heads=shape.heads // t, kv_heads=local_kv_heads(shape.kv_heads, t))
+    return replace(shape, heads=shape.heads // t, kv_heads=max(1, shape.kv_heads // t))
 
 
 @dataclass(frozen=True)
@@ -120,25 +111,41 @@ class TPShape:
                    layers=sum(lc.count for lc in graph.layer_classes.values()))
 
 
-def params_per_rank(graph: OpGraph, t: int) -> float:
-    """Parameters one rank of a TP group of ``t`` holds: all / t, with the key/value projections
-    whole on each rank where ``t`` exceeds their heads (each holds one head's, not kv / t)."""
-    n = float(graph.total_params)
-    if t == 1:
-        return n
-    s = TPShape.of(graph)
-    kv_proj = 2 * s.hidden * s.head_dim           # one key/value head's k and v projections, one layer
-    replicated = s.layers * kv_proj * (local_kv_heads(s.kv_heads, t) - s.kv_heads / t)
-    return n / t + max(0.0, replicated)
+def split_ops(graph: OpGraph) -> tuple[frozenset[str], frozenset[str]]:
+    """(the captured ops whose work TP splits, those whose output it splits): see the module
+    docstring's work and activations rules."""
+    if "tp_split" not in graph.memo:
+        regions: dict[int, set] = {}
+        for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION):
+            if a.layer is not None:
+                regions.setdefault(a.layer, set()).add(a.region)
+        for block in list(regions):
+            regions[block].add(tiled_region(graph, block))
+        hidden = TPShape.of(graph).hidden
+        work, out = set(), set()
+        for name in graph.graph.nodes:
+            a = graph.op(name)
+            if a.layer is None or a.region is None or a.region not in regions.get(a.layer, ()):
+                continue
+            whole_state = bool(a.shapes) and bool(a.shapes[0]) and evaluate(a.shapes[0][-1], 1.0) == hidden
+            if a.kind in (OpKind.MATMUL, OpKind.ATTENTION) or not whole_state:
+                work.add(name)
+            if a.shapes and not whole_state:
+                out.add(name)
+        graph.memo["tp_split"] = (frozenset(work), frozenset(out))
+    return graph.memo["tp_split"]
 
 
-def gathered_input_bytes(graph: OpGraph, tokens: float, t: int) -> float:
-    """Beyond what the liveness at S/(P t) counts: a block's input gathered whole over the TP
-    group (one hidden state at ``tokens`` = S/P), less the rank's own shard of it."""
+def saved_share(graph: OpGraph, t: int) -> float:
+    """The share of what a block keeps for its backward that one rank of a TP group of ``t`` keeps
+    (the split tensors / t, the rest whole): what the per-layer memory terms scale by."""
     if t == 1:
-        return 0.0
-    s = TPShape.of(graph)
-    return graph.batch_size * tokens * s.hidden * dtype_bytes(graph.dtype) * (1 - 1 / t)
+        return 1.0
+    _, out = split_ops(graph)
+    block = min(lc.captured[0] for lc in graph.layer_classes.values())
+    saved = [(evaluate(a.bytes_saved, 1024.0), a.name in out) for a in graph.nodes(phase="fwd", layer=block)]
+    total = sum(b for b, _ in saved)
+    return sum(b / t if split else b for b, split in saved) / total if total else 1.0 / t
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ class TPComm:
 
     layer_forward_s: float      # all layers' forward collectives (what a full recompute repeats)
     layer_s: float              # all layers', forward and backward
-    outside_s: float            # the embedding's, the head's and the loss's
+    outside_s: float = 0.0      # outside the layers (none: the embedding, head and loss run whole)
 
     @property
     def total_s(self) -> float:
@@ -157,14 +164,8 @@ class TPComm:
 def tp_comm(graph: OpGraph, profile: HardwareProfile, t: int, tokens: float) -> TPComm:
     """The TP collectives of one step at ``tokens`` = S/P tokens a rank of the SP group."""
     if t == 1:
-        return TPComm(0.0, 0.0, 0.0)
+        return TPComm(0.0, 0.0)
     s = TPShape.of(graph)
     h = graph.batch_size * tokens * s.hidden * dtype_bytes(graph.dtype)
-    gather = profile.collective_time("all_gather", t, h / t)        # buffer: one shard
-    scatter = profile.collective_time("reduce_scatter", t, h)       # buffer: the whole input
-    fwd_block = gather + scatter
-    bwd_block = 2 * gather + scatter
-    layer_fwd = s.layers * BLOCKS_PER_LAYER * fwd_block
-    layer = layer_fwd + s.layers * BLOCKS_PER_LAYER * bwd_block
-    loss = LOSS_ALL_REDUCES * profile.collective_time("all_reduce", t, graph.batch_size * tokens * 4)
-    return TPComm(layer_forward_s=layer_fwd, layer_s=layer, outside_s=2 * (gather + scatter) + loss)
+    forward = s.layers * BLOCKS_PER_LAYER * profile.collective_time("all_reduce", t, h)
+    return TPComm(layer_forward_s=forward, layer_s=2 * forward)

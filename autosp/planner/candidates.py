@@ -19,7 +19,8 @@ from autosp.costmodel.phases import (first_layer_own, offloaded_own, own_bytes, 
                                     with_strategy_own)
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile
-from autosp.costmodel.tensor_parallel import TP_DEGREES, check_tp_degree, legal_tp_degrees, local_attention
+from autosp.costmodel.tensor_parallel import (TP_DEGREES, check_tp_degree, legal_tp_degrees, local_attention,
+                                             saved_share)
 from autosp.decisions import LayerChoice, MeshChoice, mlp_chunk_counts
 from autosp.errors import AutospError
 from autosp.planner.ilp import Candidate, Option
@@ -61,7 +62,8 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
         optimizer = model_states(graph, world // tp, zero_stage, zero_shard, tp)["optimizer"]
         host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
         host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
-        tokens = seq_len / (sp * tp)        # what a rank's layers keep: TP splits it too (tensor_parallel.py)
+        # what a rank's layers keep, at its SP shard's tokens, of which TP splits a share
+        tokens = seq_len / sp * saved_share(graph, tp)
         tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
         # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
         # in its own backward

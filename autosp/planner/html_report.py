@@ -24,7 +24,7 @@ def _png(fig) -> str:
 
 def _label(a: RunnerUp) -> str:
     choices = " | ".join(f"{x.choice.strategy} ck:{x.choice.checkpoint[:3]}" for x in a.layers)
-    return f"SP{a.mesh.sp_degree} {a.mesh.layout[:3]} {choices}"
+    return f"SP{a.mesh.sp_degree}{f' TP{a.mesh.tp_degree}' if a.mesh.tp_degree > 1 else ''} {a.mesh.layout[:3]} {choices}"
 
 
 def figures(plan: Plan) -> list[tuple[str, str]]:
@@ -86,7 +86,7 @@ def write_html(plan: Plan, path: str) -> None:
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em}}</style></head><body>
 <h1>{html.escape(plan.model)}: {plan.seq_len} tokens on {plan.world_size} devices</h1>
 <p>Profile <b>{html.escape(plan.profile)}</b>, {plan.devices_per_node} devices per node, ZeRO stage {plan.mesh.zero_stage}.
-SP x DP = <b>{plan.mesh.sp_degree} x {plan.dp_degree}</b>, token layout <b>{plan.mesh.layout}</b>.</p>
+SP x TP x DP = <b>{plan.mesh.sp_degree} x {plan.mesh.tp_degree} x {plan.dp_degree}</b>, token layout <b>{plan.mesh.layout}</b>.</p>
 <table border=1><tr><th>layers</th><th>attention</th><th>Ulysses x ring</th><th>checkpointing</th></tr>{rows}</table>
 <p>Predicted step {pr.total_s:.3f} s (compute {pr.compute_s:.3f} s, exposed communication
 {pr.exposed_comm_s:.3f} s), peak {human(pr.peak_bytes, 'B')} of {human(plan.memory_limit_bytes, 'B')},

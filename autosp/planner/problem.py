@@ -45,7 +45,9 @@ class SearchSpace:
     ``zero_shards``: ZeRO 3's sharding groups (0: every rank, k: each k ranks; ``None``: the
     whole mesh, and one node where the world spans several); ``tp_degrees``: tensor-parallel
     degrees (``None``: 1, 2, 4 and 8 where they fit a node and divide the heads; the default
-    TP 1, since :func:`autosp.compile` applies no other yet: ``autosp plan`` searches them)."""
+    TP 1: the first call plans on the mesh it was given, whose weights the optimizer already
+    holds whole; ``autosp plan`` searches them, and ``autosp.compile(model, plan=...)`` applies
+    them)."""
 
     sp_degrees: tuple[int, ...] | None = None
     strategies: tuple[str, ...] | None = None

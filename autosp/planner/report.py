@@ -81,8 +81,8 @@ def plan_table(plan: Plan) -> list:  # -> list of rich renderables
     head.add_column("value", justify="right")
     head.add_row("SP x TP x DP", f"{mesh.sp_degree} x {mesh.tp_degree} x {plan.dp_degree}")
     if mesh.tp_degree > 1:
-        head.add_row("  TP", f"Megatron style inside a node, costed (not yet applied by autosp.compile: "
-                             f"--tp 1 plans what it runs)")
+        head.add_row("  TP", "each block's attention and MLP linear pairs split inside a node (autosp.compile "
+                             "with this plan builds the ('dp', 'sp', 'tp') mesh)")
     head.add_row("token layout", mesh.layout)
     for layer in plan.layers:
         c = layer.choice

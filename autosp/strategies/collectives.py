@@ -7,6 +7,8 @@ traceable); the autograd rule says what the backward pass communicates:
   autosp::all_to_all        scatter one dim, gather another  the inverse all-to-all
   autosp::all_reduce_sum    sum over the group               identity (each rank keeps
                                                              the gradient of its own term)
+  autosp::copy_sum_grad     identity                         sum over the group (a tensor-
+                                                             parallel region's input)
   autosp::all_gather        concatenate shards along a dim   this rank's slice of the grad
   autosp::all_to_all_issue  start an all-to-all; returns the  the inverse's completion
                             receive buffer (not yet valid)
@@ -254,6 +256,29 @@ def _ar_backward(ctx, grad: Tensor):
 
 
 all_reduce_sum.register_autograd(_ar_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+@torch.library.custom_op("autosp::copy_sum_grad", mutates_args=())
+def copy_sum_grad(x: Tensor, group_name: str) -> Tensor:
+    """What enters a tensor-parallel region whole on every rank of the group: itself forward, its
+    gradient (each rank's, from its own part of the weights) summed over the group backward."""
+    return x.clone()
+
+
+@copy_sum_grad.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _copy_backward(ctx, grad: Tensor):
+    return all_reduce_sum(grad.contiguous(), ctx.group_name), None
+
+
+def _copy_setup(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
+
+
+copy_sum_grad.register_autograd(_copy_backward, setup_context=_copy_setup)
 
 
 # ---------------------------------------------------------------------------------- all_gather

@@ -14,6 +14,7 @@ import os
 from dataclasses import replace
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,7 +27,9 @@ from autosp.strategies import AUTO, check_spec, resolve
 from autosp.transform.backend import SPConfig, check_compiler, default_compiler
 from autosp.transform.zero.grad_reducer import GradReducer
 from autosp.transform.mesh import Mesh, mesh_for, mesh_from
+from autosp.graph.hf_compat import is_hf_model
 from autosp.transform.sequence_parallel import SequenceParallel, layer_paths, layout_for
+from autosp.transform.tensor_parallel import TPReport, parallelize
 from autosp.transform.zero.shard import shard_parameters
 
 __all__ = ["SequenceParallel", "build"]
@@ -51,17 +54,13 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
             _check_plan_placement(plan)
         decisions = plan.decisions()
         planned_sp = plan.mesh.sp_degree
-        sp_size = planned_sp if planned_sp > 1 and device_mesh is None and group is None else sp_size
+        sp_size = planned_sp if (planned_sp > 1 or plan.mesh.tp_degree > 1) and device_mesh is None \
+            and group is None else sp_size
     # the ZeRO decisions, resolved once: the caller's, else those the decisions (a plan) carry
     zero_stage = zero.stage if zero.stage is not None else decisions.mesh.zero_stage
     zero_shard = (decisions.mesh.zero_shard or "mesh") if zero.shard == "mesh" else zero.shard
     for c in decisions.layers:
         check_spec(c.strategy)
-    if decisions.mesh.tp_degree > 1:
-        # the planner costs TP meshes (autosp.costmodel.tensor_parallel); the graph passes do not split weights yet
-        raise AutospError(f"this plan splits each layer's weights over a tensor-parallel axis of "
-                          f"{decisions.mesh.tp_degree} ranks, which autosp plans but does not apply yet; re-plan "
-                          "without it (`autosp plan ... --tp 1`, or SearchSpace(tp_degrees=(1,)))")
     if not runtime.overlap:
         decisions = without_overlap(decisions)
     check_zero_stage(zero_stage)
@@ -76,14 +75,16 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
             raise AutospError(f"mesh={mesh!r} needs torch.distributed initialised: call "
                               "torch.distributed.init_process_group() first, e.g. under torchrun")
         return model            # nothing to split (the front door says so)
+    planned_tp = decisions.mesh.tp_degree
     if device_mesh is not None:
         the_mesh = mesh_from(device_mesh)
     elif group is not None:
         the_mesh = Mesh(sp=group, whole=group, sp_degree=dist.get_world_size(group), dp_degree=1)
     else:
-        the_mesh = mesh_for(sp_size)
+        the_mesh = mesh_for(sp_size, planned_tp)
+    tp_report = _tensor_parallel(model, the_mesh, planned_tp, zero_stage)
     decisions = replace(decisions, mesh=replace(decisions.mesh, layout=layout, sp_degree=the_mesh.sp_degree,
-                                                zero_stage=zero_stage))
+                                                zero_stage=zero_stage, tp_degree=the_mesh.tp_degree))
     reduced_by_us = zero_stage is not None
     if zero_stage in (2, 3):
         if the_mesh.device_mesh is None and the_mesh.sp is not dist.group.WORLD:
@@ -101,9 +102,33 @@ def build(model: nn.Module, decisions: Decisions, *, mesh: DeviceMesh | dist.Pro
                     prefetch_params=runtime.overlap and not (compiler == "eager" and
                                                              decisions.any_layer(lambda c: c.checkpoint != "none")))
     reducer = GradReducer(list(model.parameters()), the_mesh.whole, zero.bucket_mb) if zero_stage in (0, 1) else None
-    return SequenceParallel(model, base, mesh=the_mesh, zero_stage=zero_stage, reducer=reducer,
-                            param_groups=param_groups if zero_stage in (2, 3) else [], plan=plan, provider=provider,
-                            may_step_on_host=may_step_on_host or decisions.mesh.host_optimizer)
+    sp = SequenceParallel(model, base, mesh=the_mesh, zero_stage=zero_stage, reducer=reducer,
+                          param_groups=param_groups if zero_stage in (2, 3) else [], plan=plan, provider=provider,
+                          may_step_on_host=may_step_on_host or decisions.mesh.host_optimizer)
+    sp.tp_report = tp_report
+    return sp
+
+
+def _tensor_parallel(model: nn.Module, mesh: Mesh, planned: int, zero_stage: int | None) -> TPReport:
+    """Split the model's linear layers over the mesh's TP group (:mod:`autosp.transform.tensor_parallel`),
+    as the mesh says and the plan agrees; a Hugging Face model's pairs are read from one forward of a
+    few tokens, another model's must be split by the caller first."""
+    if planned > 1 and planned != mesh.tp_degree:
+        raise AutospError(f"the plan splits each layer's weights over TP {planned} but the mesh has TP "
+                          f"{mesh.tp_degree}; pass mesh=init_device_mesh(device, (dp, sp, {planned}), "
+                          "mesh_dim_names=('dp', 'sp', 'tp')), or leave mesh out")
+    if mesh.tp_degree == 1:
+        return TPReport(1)
+    if zero_stage in (2, 3):
+        raise AutospError(f"ZeRO {zero_stage} does not compose with tensor parallelism in autosp yet; use "
+                          "zero=1 (optimizer states sharded) or zero=0 with a 'tp' mesh, or drop 'tp'")
+    if not is_hf_model(model):
+        raise AutospError("autosp reads a Hugging Face model's linear pairs from one forward of a few tokens; for "
+                          f"{type(model).__name__} split them first with autosp.tensor_parallel(model, "
+                          "mesh['tp'].get_group(), example_batch) and pass mesh without 'tp'")
+    param = next(model.parameters())
+    probe = {"input_ids": torch.zeros(1, 8, dtype=torch.long, device=param.device), "use_cache": False}
+    return parallelize(model, mesh.tp, probe)
 
 
 def without_overlap(decisions: Decisions) -> Decisions:

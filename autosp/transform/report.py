@@ -64,6 +64,11 @@ class SPReport:
     # labelled tokens this rank's loss covered in the last step, counted as its graph ran (None: no
     # loss was made global over the model's group, e.g. a model that returns logits only)
     loss_tokens: int | None = None
+    # tensor parallelism: the group's size, the linear layers it split (column, row) and left whole,
+    # and the collectives its group issued in the last step (kind -> calls, bytes, blocked seconds)
+    tp_degree: int = 1
+    tp: dict[str, Any] = field(default_factory=dict)
+    tp_collectives: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def work_balance(self) -> float:
@@ -82,7 +87,9 @@ class SPReport:
             f"{self.grad_buckets} gradient buckets"
         dp = f", DP degree {self.dp_degree}, ZeRO stage {self.zero_stage} ({units})" \
             if self.zero_stage is not None else ""
-        t = Table(title=f"autosp: SP degree {self.sp_degree}{dp}, {self.seq_len} tokens (padded to "
+        tp = (f", TP degree {self.tp_degree} ({len(self.tp.get('column', ()))} column- and "
+              f"{len(self.tp.get('row', ()))} row-parallel linear layers)") if self.tp_degree > 1 else ""
+        t = Table(title=f"autosp: SP degree {self.sp_degree}{tp}{dp}, {self.seq_len} tokens (padded to "
                         f"{self.padded_len}), {self.compiled_graphs} graphs compiled by {self.compiler}, attention work busiest / "
                         f"mean rank {self.work_balance:.2f}")
         for col in ("attention op", "strategy", "layout", "heads / KV", "Ulysses x ring", "heads per rank",
@@ -137,14 +144,10 @@ def report_of(sp: Any) -> SPReport:
         groups.add(sp.mesh.whole.group_name)
     groups.update(sp.param_groups)
     groups.add(HOST)                      # offload's copies to and from host memory
-    counts: dict[str, dict[str, float]] = {}
-    for (group, kind), (calls, sent, waited) in TALLY.items():
-        before = step["tally"].get((group, kind), (0, 0, 0.0))
-        if group in groups and calls > before[0]:
-            c = counts.setdefault(kind, {"calls": 0, "bytes": 0, "blocked_s": 0.0})
-            c["calls"] += calls - before[0]
-            c["bytes"] += sent - before[1]
-            c["blocked_s"] += waited - before[2]
+    counts = _issued(step, groups)
+    tp_group = sp.mesh.tp if sp.mesh is not None else None
+    tp_counts = _issued(step, {tp_group.group_name}) if tp_group is not None else {}
+    tp_report = getattr(sp, "tp_report", None)
     return SPReport(sp_degree=sp.sp_degree, dp_degree=sp.mesh.dp_degree if sp.mesh else 1,
                     zero_stage=sp.zero_stage,
                     grad_buckets=len(sp.reducer.buckets) if sp.reducer else 0,
@@ -156,7 +159,22 @@ def report_of(sp: Any) -> SPReport:
                     work_per_rank=work_per_rank(step["positions"], layout, sp.sp_degree)
                     if "positions" in step else [],
                     plans=len(sp._plans), compiled_variants=max(len(sp._variants), 1),
-                    loss_tokens=_loss_tokens(observed(sp._loss_group_name).loss_tokens))
+                    loss_tokens=_loss_tokens(observed(sp._loss_group_name).loss_tokens),
+                    tp_degree=tp_report.degree if tp_report else 1,
+                    tp=tp_report.as_dict() if tp_report and tp_report.degree > 1 else {}, tp_collectives=tp_counts)
+
+
+def _issued(step: dict, groups: set[str]) -> dict[str, dict[str, float]]:
+    """Per kind, the collectives ``groups`` issued since the step began: calls, bytes, blocked seconds."""
+    counts: dict[str, dict[str, float]] = {}
+    for (group, kind), (calls, sent, waited) in TALLY.items():
+        before = step["tally"].get((group, kind), (0, 0, 0.0))
+        if group in groups and calls > before[0]:
+            c = counts.setdefault(kind, {"calls": 0, "bytes": 0, "blocked_s": 0.0})
+            c["calls"] += calls - before[0]
+            c["bytes"] += sent - before[1]
+            c["blocked_s"] += waited - before[2]
+    return counts
 
 
 def _loss_tokens(count: torch.Tensor | None) -> int | None:

@@ -125,6 +125,7 @@ class SequenceParallel(nn.Module):
         self._plans: dict[tuple[int, int], Any] = {}       # (batch, length bucket) -> its plan
         self._warned_lengths: set[int] = set()
         self.mesh = mesh
+        self.tp_report = None            # what tensor parallelism split (autosp.transform.api sets it)
         self.zero_stage = zero_stage
         self.reducer = reducer           # ZeRO 0/1: autosp's bucketed gradient reduction
         self.param_groups = param_groups or []    # ZeRO 2/3: the groups of its gathers and reductions
