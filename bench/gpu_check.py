@@ -26,7 +26,9 @@
 6. A sharded training step per strategy (``--only e2e``, :mod:`sharded_step_check`): a small
    bf16 Llama through Inductor on 2 ranks (a GPU each over NCCL, or both on one GPU over gloo),
    loss and every gradient against one process within bf16 tolerance, and the collectives that
-   ran. Written to DIR/sharded_step.json. ``--dry`` runs it on CPU (``--strategies`` picks some).
+   ran; and ``tp``: the same model split by tensor parallelism over the 2 ranks, each gradient
+   against its half of the one-process one. Written to DIR/sharded_step.json. ``--dry`` runs it
+   on CPU (``--strategies`` picks some).
 7. The peers beside autosp (``--only peers``, :mod:`peers`): autosp, PyTorch ``context_parallel``
    (which has no CPU rule for SDPA) and a hand-written Ulysses, both ranks on the GPU over gloo,
    4096 and 16384 tokens: step time, peak memory, loss and gradients against one process.

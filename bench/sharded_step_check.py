@@ -7,7 +7,10 @@ batch on the same device, and what ran: the strategy per attention op, the colle
 step (calls and bytes), the step time. Ranks: one per GPU over NCCL where there are two; on one
 GPU both ranks share it over gloo, whose collectives stage CUDA tensors through the host (a
 strategy whose collective gloo cannot run on CUDA tensors is reported with its error, not
-skipped). ``--dry`` runs the same on CPU over gloo (the suite runs one strategy).
+skipped). ``--dry`` runs the same on CPU over gloo (the suite runs one strategy, and ``tp``).
+``tp``: tensor parallelism instead of SP, the 2 ranks one TP group (mesh ``("sp", "tp")`` of
+1 x 2): each holds half of every block's attention heads and MLP features, and each gradient is
+compared with its half of the one-process gradient.
 
 bf16 tolerance: relative to the one-process value, 2.5e-2 for every step's loss and for each
 gradient's norm of difference at the first step (the peers' tolerance; the kernels sum in other
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-STRATEGIES = ("ulysses", "ring", "zigzag_ring", "allgather_kv")
+STRATEGIES = ("ulysses", "ring", "zigzag_ring", "allgather_kv", "tp")
 TOLERANCE = 2.5e-2
 
 
@@ -41,12 +44,20 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
     import autosp
     from autosp.costmodel.profiler import outside_allocator_bytes
     from autosp.tools.validation import tiny_model
+    from autosp.transform.tensor_parallel import shard_of
 
     torch._dynamo.reset()
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     ref = tiny_model().to(device=dev, dtype=torch.bfloat16)
     model = copy.deepcopy(ref)
-    sp = autosp.compile(model, plan=strategy, runtime=autosp.Runtime(compiler=compiler))
+    mesh = None
+    if strategy == "tp":            # the ranks one TP group, no SP
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (1, dist.get_world_size()), mesh_dim_names=("sp", "tp"))
+    sp = autosp.compile(model, plan="ulysses" if mesh is not None else strategy, mesh=mesh,
+                        runtime=autosp.Runtime(compiler=compiler))
+    tp_rank = mesh.get_local_rank("tp") if mesh is not None else 0
     opt, opt_ref = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     row: dict[str, Any] = {"strategy": strategy, "loss_err": 0.0, "grad_err": 0.0, "worst": "", "step_s": [],
                            "grad_err_per_step": []}
@@ -66,7 +77,8 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
         loss_ref = ref(input_ids=ids, labels=labels).loss
         loss_ref.backward()
         row["loss_err"] = max(row["loss_err"], abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
-        errs = {name: _rel(p.grad, q.grad) for (name, p), q in zip(model.named_parameters(), ref.parameters())}
+        errs = {name: _rel(p.grad, shard_of(q.grad, name, sp.tp_report, tp_rank))
+                for (name, p), q in zip(model.named_parameters(), ref.parameters())}
         worst = max(errs, key=errs.__getitem__)
         row["grad_err_per_step"].append(errs[worst])
         if step == 0:       # the same parameters on both sides: what the sharded kernels change
@@ -78,6 +90,7 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
                collectives={k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in rep["collectives"].items()},
                loss_tokens=rep.get("loss_tokens"), dtype=str(next(model.parameters()).dtype),
                tokens_per_rank=[a["tokens_per_rank"] for a in rep["attention"]],     # observed as the step ran
+               tp_degree=rep["tp_degree"], tp_collectives={k: v["calls"] for k, v in rep["tp_collectives"].items()},
                # the CUDA context and the communicators (the profiles' runtime_reserved_bytes); with two
                # ranks on one GPU, both processes'
                outside_allocator_bytes=outside_allocator_bytes(dev) if dev.type == "cuda" else None,
