@@ -3,9 +3,9 @@
 Launched by ``test_deepspeed.py`` with ``DS_ACCELERATOR=cpu``. For DeepSpeed ZeRO 2: 3 AdamW
 steps against one process on the global batch (the rows' ignored labels differ); ZeRO 3 the same,
 with each rank holding a quarter of the parameters between steps; DeepSpeed's own
-sequence-parallel groups must be refused in one line. Rank 0 writes ``OUT/result.json``. Then
-the docs' example (``examples/deepspeed_zero.py``, on its own 2 x 2 mesh, as the docs launch it)
-runs in the same processes: rank 0 prints its losses (``step N loss X``).
+sequence-parallel groups must be refused in one line. Rank 0 writes ``OUT/result.json``. The
+docs' example (``examples/deepspeed_zero.py``, on its own 2 x 2 mesh, as the docs launch it)
+runs first in the same processes: rank 0 prints its losses (``step N loss X``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ def main(out_dir: str) -> None:
     # (``deepspeed.comm.torch`` as an attribute is the torch package that deepspeed.comm re-exports.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+    # the docs' example first, as `torchrun --nproc-per-node 4 examples/deepspeed_zero.py` runs it (its
+    # init_distributed finds the group made; first, since the refusal case below leaves DeepSpeed
+    # sequence-parallel groups of its own): one launch of DeepSpeed serves both
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples", "deepspeed_zero.py"), run_name="__main__")
     sys.path.insert(0, os.path.dirname(__file__))
     from dist_cases import _batch, _loss, _rel, build
 
@@ -94,12 +100,6 @@ def main(out_dir: str) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)
-    # the docs' example, as `torchrun --nproc-per-node 4 examples/deepspeed_zero.py` runs it (its
-    # init_distributed finds the group made): one launch of DeepSpeed serves both
-    import runpy
-
-    torch._dynamo.reset()
-    runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples", "deepspeed_zero.py"), run_name="__main__")
 
 
 if __name__ == "__main__":

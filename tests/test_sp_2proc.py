@@ -78,7 +78,7 @@ def test_ulysses_matches_single_device(pool, kind, cfg):
         check_ran(res[0], "ulysses", world=2)
 
 
-@pytest.mark.parametrize("strategy", ["ulysses", "zigzag_ring"])
+@pytest.mark.parametrize("strategy", ["ulysses"])
 def test_gptj_whose_rotary_tables_repeat_features_not_tokens_is_exact(pool, strategy):
     # GPT-J builds its sin/cos tables with repeat_interleave over the feature dim (each frequency
     # twice): every token's features stay together, so the tables slice by token like any tensor
@@ -256,8 +256,9 @@ def test_logits_local_next_to_a_loss_full_otherwise(pool):
         assert r["gathered_len"] == 33 and r["gathered_err"] < 1e-5, r
 
 
-@pytest.mark.parametrize("strategy", ["ring", "zigzag_ring", "allgather_kv"])
-@pytest.mark.parametrize("kind", ["llama", "reference"])
+# (the reference model under ring and all-gather-KV: the compiled-path and graph-break tests)
+@pytest.mark.parametrize("strategy,kind", [("ring", "llama"), ("zigzag_ring", "llama"), ("allgather_kv", "llama"),
+                                           ("zigzag_ring", "reference")])
 def test_other_strategies_match_single_device(pool, strategy, kind):
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, heads=4, kv=2)
     check_exact(res, [strategy] * 2)
@@ -303,8 +304,8 @@ def check_first_step_exact(res, strategies):
 
 # zigzag_ring under every mask (its blocks differ per mask); ring and all-gather-KV share the
 # contiguous layout's blocks, so each takes a different mask or two.
-@pytest.mark.parametrize("strategy,inputs", [("zigzag_ring", m) for m in MASKED] +
-                         [("ring", "window"), ("ring", "padded"), ("allgather_kv", "packed")])
+@pytest.mark.parametrize("strategy,inputs", [("zigzag_ring", m) for m in MASKED if m != "padded"] +
+                         [("ring", "padded"), ("allgather_kv", "packed")])
 def test_blockwise_strategies_take_masks_and_skip_hidden_blocks(pool, strategy, inputs):
     res = run_ok(pool, "train_compare", strategy=strategy, steps=1, **MASKED[inputs])
     check_first_step_exact(res, [strategy] * 2)
@@ -336,8 +337,7 @@ def test_a_bidirectional_encoder_with_padding_is_exact_under_each_strategy(pool)
         assert r["ring"]["blocks"] == {"computed": 4, "skipped": 0}, r["ring"]["blocks"]
 
 
-@pytest.mark.parametrize("kind,strategy", [("mixtral", "ulysses"), ("qwen2_moe", "ring"),
-                                           ("granitemoe", "allgather_kv")])
+@pytest.mark.parametrize("kind,strategy", [("mixtral", "ulysses"), ("qwen2_moe", "ring")])
 def test_moe_with_grouped_experts_and_router_loss_is_exact(pool, kind, strategy):
     # Default (grouped) experts: each rank routes its own tokens; the load-balancing loss sees
     # every token (per layer a histogram and a sum over tokens, all-reduced: 4 for 2 layers).
@@ -549,7 +549,7 @@ def test_a_router_loss_on_logits_gathered_after_a_graph_break_gets_one_process_g
         assert r["plan_layers"] is not None, "the planner chose the strategy"
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("kind", ["deepseek_v3"])       # V2 (its length kept symbolic): test_capture.py
 def test_multi_head_latent_attention_is_planned_and_exact(pool, kind):
     # DeepSeek's MLA (values of a smaller head dim than queries and keys), a dense layer then an MoE
     # one: the first call's planner plans it (it once warned and fell back) and picks plain Ulysses,
