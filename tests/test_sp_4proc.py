@@ -88,18 +88,10 @@ def test_hybrid_takes_masks(pool, inputs):
 # (MoE: on 2 ranks, three families)
 
 
-def test_a_sliding_window_makes_ring_compute_fewer_blocks(pool):
-    # 32 tokens on 4 ranks, chunks of 8, window of 8: the last rank's chunk sees chunks 2 and 3,
-    # not 0 and 1 (causal alone: all 4), in each of 2 layers.
-    res = run_ok(pool, "train_compare", strategy="ring", steps=1, **MASKED["window"])
-    check_first_step_exact(res, ["ring"] * 2)
-    assert [(r["blocks"]["computed"], r["blocks"]["skipped"]) for r in res] == [(2, 6), (4, 4), (4, 4), (4, 4)]
-    check_ran(res[0], "ring", world=4)
+# (a sliding window skipping ring blocks: on 2 ranks, test_blockwise_strategies_take_masks_and_skip_hidden_blocks)
 
 
-def test_mixed_per_layer_plan(pool):
-    check_exact(run_ok(pool, "train_compare", kind="reference", strategy=["allgather_kv", "hybrid:2x2"]),
-                ["allgather_kv", "hybrid:2x2"])
+# (a strategy per layer: on 2 ranks, test_mixed_strategies_per_layer)
 
 
 def test_ring_memory_grows_as_s_over_p(pool):
@@ -183,17 +175,7 @@ def test_zero_stages_2_and_3_equal_one_process(pool, stage, kind, strategy):
         assert abs(r["state_bytes"] / r["predicted_state_bytes"] - 1) < 0.05, r
 
 
-@pytest.mark.parametrize("stage", [3])             # stage 2: the fixed-strategy ZeRO case
-def test_zero_stages_with_the_planner_choosing_equal_one_process(pool, stage):
-    # The shortest call on a 2 x 2 mesh, strategy left to the planner, compiled. Before, ZeRO 2: the
-    # planner's capture ran FSDP2's hooks on fake tensors (it warned and fell back), and the first
-    # real forward then failed in FSDP's all-gather on every rank.
-    res = run_ok(pool, "dp_sp_compare", kind="qwen3", strategy="auto", zero_stage=stage, compiler="aot_eager", steps=2)
-    planned = res[0]["plan"]
-    assert planned is not None and planned["zero_stage"] == stage, planned     # planned for this stage
-    strategy = planned["layers"][0].choice.strategy
-    check_dp_sp(res, strategy, stage)
-    assert all(r["compiler"] == "aot_eager" and r["plan"] == planned for r in res)
+# (ZeRO with the planner choosing the strategy: on 2 ranks (test_auto_plan_is_exact_and_cached) and ZeRO 3 fixed here)
 
 
 def test_zero_3_by_node_shards_inside_each_pair_and_sums_across_pairs(pool):

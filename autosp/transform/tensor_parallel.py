@@ -68,7 +68,6 @@ class _Calls:
     """What one module's forward called: its linear layers in order, where attention ran."""
 
     events: list[tuple[str, Any]] = field(default_factory=list)     # ("linear", path) | ("attention", heads)
-    first_input: Any = None
 
 
 class _Record(TorchFunctionMode):
@@ -102,11 +101,9 @@ def _record(model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, _Calls],
             hooks.append(m.register_forward_pre_hook(on_linear))
             continue
 
-        def enter(mod, args, kwargs, name=name):
+        def enter(mod, args, name=name):
             stack.append(name)
-            first = args[0] if args else kwargs.get("hidden_states")
-            calls.setdefault(name, _Calls()).first_input = first
-        hooks.append(m.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(m.register_forward_pre_hook(enter))
 
         def leave(mod, args, out):
             stack.pop()         # returns None: the module's output stays
