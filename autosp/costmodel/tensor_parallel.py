@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autosp.costmodel.dtypes import dtype_bytes
-from autosp.costmodel.memory import params_per_rank, tiled_region  # noqa: F401 - params_per_rank: the TP rule's
+from autosp.costmodel.memory import hidden_bytes, params_per_rank, tiled_region  # noqa: F401 - params_per_rank: the TP rule's
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, evaluate
@@ -89,26 +89,9 @@ def local_attention(shape, t: int):
     return replace(shape, heads=shape.heads // t, kv_heads=max(1, shape.kv_heads // t))
 
 
-@dataclass(frozen=True)
-class TPShape:
-    """What the TP rule needs of a model: its hidden size, and its attention's heads."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-
-    @classmethod
-    def of(cls, graph: OpGraph) -> "TPShape":
-        a = graph.first_attention()
-        emb = next(graph.nodes(phase="fwd", kind=OpKind.EMBEDDING), None)
-        # one token of one sequence: the embedding's output per token, in elements
-        hidden = evaluate(emb.bytes_written, 1.0) / graph.batch_size / dtype_bytes(graph.dtype) if emb else 0
-        ev = lambda x: int(evaluate(x, 1.0)) if a is not None else 1  # noqa: E731
-        return cls(hidden=int(hidden), heads=ev(a.heads) if a else 1, kv_heads=ev(a.kv_heads) if a else 1,
-                   head_dim=ev(a.head_dim) if a else 0,
-                   layers=sum(lc.count for lc in graph.layer_classes.values()))
+def _hidden_size(graph: OpGraph) -> float:
+    """Elements of one token's hidden state (the embedding's output)."""
+    return hidden_bytes(graph, 1.0) / graph.batch_size / dtype_bytes(graph.dtype)
 
 
 def split_ops(graph: OpGraph) -> tuple[frozenset[str], frozenset[str]]:
@@ -121,7 +104,7 @@ def split_ops(graph: OpGraph) -> tuple[frozenset[str], frozenset[str]]:
                 regions.setdefault(a.layer, set()).add(a.region)
         for block in list(regions):
             regions[block].add(tiled_region(graph, block))
-        hidden = TPShape.of(graph).hidden
+        hidden = _hidden_size(graph)
         work, out = set(), set()
         for name in graph.graph.nodes:
             a = graph.op(name)
@@ -165,7 +148,7 @@ def tp_comm(graph: OpGraph, profile: HardwareProfile, t: int, tokens: float) -> 
     """The TP collectives of one step at ``tokens`` = S/P tokens a rank of the SP group."""
     if t == 1:
         return TPComm(0.0, 0.0)
-    s = TPShape.of(graph)
-    h = graph.batch_size * tokens * s.hidden * dtype_bytes(graph.dtype)
-    forward = s.layers * BLOCKS_PER_LAYER * profile.collective_time("all_reduce", t, h)
+    layers = sum(lc.count for lc in graph.layer_classes.values())
+    h = hidden_bytes(graph, tokens)            # one hidden state of the SP shard
+    forward = layers * BLOCKS_PER_LAYER * profile.collective_time("all_reduce", t, h)
     return TPComm(layer_forward_s=forward, layer_s=2 * forward)
