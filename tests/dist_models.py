@@ -86,8 +86,9 @@ class _HandWrittenBlock(torch.nn.Module):
     def __init__(self, dim: int, heads: int, max_len: int = 1024, mixing: bool = False, einsum: bool = False,
                  tril: bool = False, learned: bool = False):
         super().__init__()
-        # a learned per-head bias on the scores: refused (its gradient is not made whole yet)
-        self.head_bias = torch.nn.Parameter(torch.linspace(-1, 1, heads).view(1, heads, 1, 1)) if learned else None
+        # a learned bias on the scores per head and key position (T5-like). Not per head alone: that
+        # shifts whole rows, which the softmax cancels, so its exact gradient is zero (rounding noise)
+        self.head_bias = torch.nn.Parameter(0.5 * torch.randn(1, heads, 1, max_len)) if learned else None
         self.tril = tril                 # scores cut by position inside the attention (tril): Ulysses only
         self.mixing = mixing             # scores that mix heads (a "talking heads" step): no SP splits them
         self.einsum = einsum             # scores by einsum: not a matmul autosp follows
@@ -107,7 +108,7 @@ class _HandWrittenBlock(torch.nn.Module):
         if self.tril:
             att = att.tril()
         if self.head_bias is not None:
-            att = att + self.head_bias
+            att = att + self.head_bias[..., :t]
         y = torch.softmax(att, dim=-1) @ v
         return x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
@@ -162,7 +163,7 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.02, **common)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
-    if kind.startswith("handwritten"):         # handwritten[_mixing|_einsum|_tril]
+    if kind.startswith("handwritten"):         # handwritten[_mixing|_einsum|_tril|_learned]
         how = kind.split("_")[1] if "_" in kind else ""
         return _HandWritten(heads, **({how: True} if how else {}))
     if kind == "gemma2":          # transformers offers it eager attention only: soft-capped scores
@@ -191,6 +192,11 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
             num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
             n_group=2, topk_group=1, **common))
+    if kind == "gpt_oss":         # eager attention only: a learned sink logit per head joins each row's softmax
+        return transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(
+            hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            attn_implementation="eager", **{k: v for k, v in common.items() if k != "attn_implementation"}))
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=16 * heads, n_layer=2, n_head=heads, n_positions=256,
                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, **common)
@@ -295,7 +301,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
                 os.environ["AUTOSP_COMPILER"] = saved
     else:
         sp = autosp.compile(sp_model, **kw)
-    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": []}
+    out: dict[str, Any] = {"loss_err": 0.0, "grad_err": 0.0, "worst": "", "losses": [], "grad_by_name": {}}
     extra = _extra_inputs("packed" if inputs == "cu_seqlens" else inputs, batch, seq_len)
     extra_sp = extra
     if inputs == "cu_seqlens":     # the same documents, as flash-attention's cumulative lengths
@@ -316,6 +322,7 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
             if q.grad is None:
                 continue
             e = _rel(p.grad, q.grad)
+            out["grad_by_name"][name] = max(e, out["grad_by_name"].get(name, 0.0))
             if e > out["grad_err"]:
                 out["grad_err"], out["worst"] = e, f"step {step} {name}"
         opt_ref.step()

@@ -86,12 +86,15 @@ def test_sizes_are_symbolic_in_the_sequence_length(llama8b):
 
 
 @pytest.mark.parametrize("name,params", [("gpt2-xl", 1.56e9), ("mistral-7b", 7.24e9),
-                                         ("qwen2.5-7b", 7.62e9)])
+                                         ("qwen2.5-7b", 7.62e9), ("gpt-oss-20b", 20.91e9)])
 def test_other_families_capture_with_no_per_family_code(name, params):
     g = capture(name, seq_len=512)
     assert g.total_params == pytest.approx(params, rel=0.01)
     assert len(g.attention_nodes("fwd")) == g.captured_layers
     assert len(g.attention_nodes("bwd")) == g.captured_layers
+    # gpt-oss offers eager attention only (SDPA would drop its sinks): one written region per layer
+    written = [n.attention.written for n in g.attention_nodes("fwd")]
+    assert written == [name.startswith("gpt-oss")] * g.captured_layers, written
 
 
 def test_405b_plans_without_allocating_weights():

@@ -167,20 +167,44 @@ def test_uneven_ignored_labels_and_odd_length(pool):
 
 
 @pytest.mark.parametrize("kind,strategy,layout,compiler", [
-    ("handwritten", "ulysses", None, None), ("handwritten", "allgather_kv", None, None),
+    ("handwritten_learned", "ulysses", None, None), ("handwritten_learned", "allgather_kv", None, None),
+    ("handwritten_learned", "ring", None, None),
     ("gemma2", "ulysses", None, "inductor"), ("gemma2", "ring", None, None),
     ("bloom", "allgather_kv", None, None), ("bloom", "zigzag_ring", "zigzag", None)])
 def test_attention_written_by_hand_matches_single_device(pool, kind, strategy, layout, compiler):
-    # nanoGPT's masked_fill causal mask, Gemma-2's soft-capped scores with a sliding-window layer,
-    # BLOOM's ALiBi added by baddbmm on [batch*heads, S, d]: each region runs as written, on this
-    # rank's heads (Ulysses), on its query rows against gathered keys (all-gather-KV), or block by
-    # block around the ring, its softmax merged by log-sum-exp
+    # nanoGPT's masked_fill causal mask plus a learned bias per head and key position,
+    # Gemma-2's soft-capped scores with a sliding-window layer, BLOOM's ALiBi added by baddbmm on
+    # [batch*heads, S, d]: each region runs as written, on this rank's heads (Ulysses), on its
+    # query rows against gathered keys (all-gather-KV), or block by block around the ring, its
+    # softmax merged by log-sum-exp
     res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, layout=layout, steps=2, compiler=compiler)
     check_exact(res, [strategy] * 2)
     check_ran(res[0], strategy, world=2)
     from conftest import SUITE_COMPILER
 
     assert res[0]["report"]["compiler"] == (compiler or SUITE_COMPILER), res[0]["report"]
+    if kind == "handwritten_learned":     # the bias's gradient: the rows or heads of every rank, summed
+        bias = {k: v for k, v in res[0]["grad_by_name"].items() if k.endswith("head_bias")}
+        assert len(bias) == 2 and max(bias.values()) <= GRAD_TOL, bias
+
+
+@pytest.mark.parametrize("strategy,compiler", [("auto", "default"), ("allgather_kv", None), ("zigzag_ring", None)])
+def test_attention_sinks_are_exact(pool, strategy, compiler):
+    # gpt-oss: a learned logit per head joins each row's softmax and is dropped after it; a
+    # sliding-window layer, then a full one; mixtures of experts. "auto" is the call users make:
+    # the first call's planner plans it (no fallback) and Inductor compiles it. Ring merges the
+    # sink into each row's log-sum-exp once, after the last key block.
+    res = run_ok(pool, "train_compare", kind="gpt_oss", strategy=strategy, compiler=compiler)
+    ran = res[0]["strategies"]
+    if strategy == "auto":
+        assert res[0]["plan_layers"] is not None, "planned, not the fallback"
+        assert res[0]["report"]["compiler"] == "inductor", res[0]["report"]
+    else:
+        assert ran == [strategy] * 2, ran
+    check_exact(res, ran)
+    for r in res:
+        sinks = {k: v for k, v in r["grad_by_name"].items() if k.endswith("sinks")}
+        assert len(sinks) == 2 and max(sinks.values()) <= GRAD_TOL, sinks
 
 
 def test_attention_written_by_hand_is_planned_by_the_default_call(pool):
@@ -223,9 +247,6 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     msg = run_ok(pool, "expect_error", kind="handwritten_tril", strategy="ring")[0]
     assert "reads token positions inside it (tril at" in msg and "use 'ulysses'" in msg, msg
     assert "allgather_kv" not in msg, msg
-    # a learned bias on the scores: its gradient is not made whole yet, so it is refused, never run wrong
-    msg = run_ok(pool, "expect_error", kind="handwritten_learned", strategy="ulysses")[0]
-    assert "adds a learned tensor to its scores" in msg and "head_bias" in msg, msg
     # a score function that mixes heads: no strategy splits it safely; the op and line are named
     msg = run_ok(pool, "expect_error", kind="handwritten_mixing", strategy="ulysses")[0]
     assert "written by hand" in msg and "(mean at" in msg and "dist_models.py" in msg, msg

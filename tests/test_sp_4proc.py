@@ -42,7 +42,7 @@ def test_heads_that_ulysses_cannot_split(pool):
 
 
 # (Gemma-2's soft-capped scores under ring, and a hand-written mask under all-gather-KV: on 2 ranks)
-@pytest.mark.parametrize("kind,strategy,layout", [("bloom", "allgather_kv", None), ("handwritten", "ulysses", "zigzag"),
+@pytest.mark.parametrize("kind,strategy,layout", [("bloom", "allgather_kv", None), ("handwritten_learned", "ulysses", "zigzag"),
                                                   ("handwritten_tril", "ulysses", None)])
 def test_attention_written_by_hand_on_four_ranks(pool, kind, strategy, layout):
     # Gemma-2's soft-capped scores and sliding window around a zigzag ring;

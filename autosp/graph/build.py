@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from autosp.errors import AutospError
-from autosp.graph.catalog import ModelSource, resolve
+from autosp.graph.catalog import ModelSource, attention_for, resolve
 from autosp.graph.hf_compat import is_hf_model
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def build_hf(src: ModelSource, dtype: torch.dtype, seq_len: int, max_layers: int
         notes.append(f"gpt2 has learned positions for {n_pos} tokens; planned with {seq_len} positions")
         cfg.n_positions = seq_len
     with torch.device("meta"):
-        module = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        module = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attention_for(cfg))
     blocks = find_blocks(module)
     block_params = [count_params(b) for b in blocks]
     per_key = {key: block_params[i] for i, key in enumerate(full_keys[:k])}

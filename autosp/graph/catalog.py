@@ -28,6 +28,15 @@ def _llama3(hidden: int, ffn: int, layers: int, heads: int, max_positions: int) 
                                 rope_theta=500000.0, max_position_embeddings=max_positions, rms_norm_eps=1e-5))
 
 
+def _gpt_oss(layers: int, experts: int) -> tuple[str, dict[str, Any]]:
+    """gpt-oss-120b and -20b differ in depth and experts only."""
+    return ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=experts, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, max_position_embeddings=131072, rope_theta=150000.0,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]))
+
+
 # family -> transformers config class name; kwargs follow the public config.json files.
 CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-8b": _llama3(4096, 14336, 32, 32, 8192),
@@ -53,6 +62,10 @@ CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
         num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
         vocab_size=129280, max_position_embeddings=163840, rope_theta=10000.0)),
+    # Learned attention sinks (a logit per head joining each row's softmax), sliding-window layers of
+    # 128 tokens alternating with full ones, mixtures of 128 (32) experts; eager attention only.
+    "gpt-oss-120b": _gpt_oss(36, 128),
+    "gpt-oss-20b": _gpt_oss(24, 32),
     "deepseek-v2-lite": ("DeepseekV2Config", dict(
         hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
@@ -90,8 +103,19 @@ def hf_config(name: str) -> Any:
 
     cls_name, kwargs = CATALOG[name]
     cfg = getattr(transformers, cls_name)(**kwargs)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention_for(cfg)
     return cfg
+
+
+def attention_for(cfg: Any) -> str:
+    """SDPA where the family offers it; else eager, the attention the model writes itself (gpt-oss:
+    SDPA would silently drop its sinks). autosp runs and costs either."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import transformers
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type, ""), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
 
 
 def resolve(spec: str) -> ModelSource:
@@ -128,7 +152,7 @@ def _config_from_file(path: str) -> Any:
     except (ValueError, KeyError) as e:
         raise AutospError(f"{path}: transformers does not know model_type '{model_type}' ({e}); "
                           "upgrade transformers or use a known family") from None
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention_for(cfg)
     return cfg
 
 

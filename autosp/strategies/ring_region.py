@@ -73,7 +73,7 @@ def _autograd_on() -> Iterator[None]:
 
 
 def region_ring_forward(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor], chunks: list[int], key: str,
-                        pg: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+                        pg: dist.ProcessGroup, sink: int = -1) -> tuple[Tensor, Tensor]:
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     atoms, full = _SCORES[key][1], _sizes(q, v, p)
     chunks = resolve_chunks(chunks)
@@ -98,12 +98,19 @@ def region_ring_forward(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor], c
         if step < p - 1:
             wait_all(reqs, "send_recv", pg.group_name)
             cur = nxt
+    if sink >= 0:             # the sink joins each row's softmax once, after every key block
+        new = torch.logaddexp(acc_l, torch.logsumexp(extras[sink].to(acc_l.dtype), -1).expand_as(acc_l))
+        acc_o = acc_o * torch.where(acc_l > float("-inf"), torch.exp(acc_l - new), 0.0).unsqueeze(-1)
+        acc_l = new
     return acc_o.to(q.dtype), acc_l
 
 
 def region_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                         extras: list[Tensor], chunks: list[int], key: str,
-                         pg: dist.ProcessGroup) -> tuple[Tensor, Tensor, Tensor]:
+                         extras: list[Tensor], chunks: list[int], key: str, pg: dist.ProcessGroup,
+                         sink: int = -1, learned: list[int] | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """dQ, dK, dV, and the gradients of the extras ``learned`` (indices): a learned bias's through
+    the score function, block by block; the sink's ``-p_sink * rowsum(dO * O)``."""
     p, r = dist.get_world_size(pg), dist.get_rank(pg)
     atoms, full = _SCORES[key][1], _sizes(q, v, p)
     chunks = resolve_chunks(chunks)
@@ -115,17 +122,26 @@ def region_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     cur = [k.contiguous(), v.contiguous()]
     dkv = [torch.zeros(k.shape, dtype=dt, device=k.device), torch.zeros(v.shape, dtype=dt, device=v.device)]
+    # a learned bias: a leaf whose gradient the blocks' score functions accumulate (columns cut from it)
+    learned = [i for i in (learned or []) if i != sink]
+    leaves = {i: extras[i].detach().requires_grad_() for i in learned}
+    dx = {i: torch.zeros_like(extras[i]) for i in learned}
+    scored = [leaves.get(i, x) for i, x in enumerate(extras)]
     for step in range(p):
         src = (r - step) % p
         if step < p - 1:
             nxt, reqs = _exchange(pg, cur)
-        cols = _columns(extras, atoms, chunks_of(chunks, src, p), chunk, full)
         with _autograd_on():           # the model's own derivative of its score function
+            cols = _columns(scored, atoms, chunks_of(chunks, src, p), chunk, full)
             qg, kg = q.detach().requires_grad_(), cur[0].detach().requires_grad_()
             z = _scores(key, qg, kg, cur[1], cols)
             prob = torch.exp(z.detach() - lse)
             dp = torch.matmul(do, cur[1].to(dt).transpose(-2, -1))
-            gq, gk = torch.autograd.grad(z, (qg, kg), prob * (dp - rowsum))
+            gq, gk, *gx = torch.autograd.grad(z, (qg, kg, *leaves.values()), prob * (dp - rowsum),
+                                              allow_unused=True)
+        for i, g in zip(leaves, gx):
+            if g is not None:
+                dx[i] += g
         dq += gq
         dkv[0] += gk
         dkv[1] += torch.matmul(prob.transpose(-2, -1), do)
@@ -134,20 +150,26 @@ def region_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         if step < p - 1:
             wait_all(reqs, "send_recv", pg.group_name)
             cur = nxt
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dxs = [dx[i] for i in learned]
+    if sink >= 0:             # d sink = -p_sink * rowsum, summed where the sink was broadcast
+        s = extras[sink]
+        ds = -torch.exp(s.to(dt) - lse) * rowsum
+        dxs.insert(sorted(learned + [sink]).index(sink), ds.sum_to_size(s.shape).to(s.dtype))
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dxs
 
 
 @torch.library.custom_op("autosp::ring_region", mutates_args=())
 def ring_region_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor], chunks: list[int], key: str,
-                   group_name: str) -> tuple[Tensor, Tensor]:
-    return region_ring_forward(q, k, v, extras, chunks, key, resolve_group(group_name))
+                   group_name: str, sink: int) -> tuple[Tensor, Tensor]:
+    return region_ring_forward(q, k, v, extras, chunks, key, resolve_group(group_name), sink)
 
 
 @torch.library.custom_op("autosp::ring_region_backward", mutates_args=())
 def ring_region_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                            extras: list[Tensor], chunks: list[int], key: str,
-                            group_name: str) -> tuple[Tensor, Tensor, Tensor]:
-    return region_ring_backward(dout, q, k, v, out, lse, extras, chunks, key, resolve_group(group_name))
+                            extras: list[Tensor], chunks: list[int], key: str, group_name: str, sink: int,
+                            learned: list[int]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    return region_ring_backward(dout, q, k, v, out, lse, extras, chunks, key, resolve_group(group_name), sink,
+                                learned)
 
 
 @ring_region_op.register_fake
@@ -156,21 +178,28 @@ def _(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
 
 
 @ring_region_backward_op.register_fake
-def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, extras: list[Tensor],
+      chunks: list[int], key: str, group_name: str, sink: int, learned: list[int]
+      ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), \
+        [extras[i].new_empty(extras[i].shape) for i in sorted(set(learned) | ({sink} - {-1}))]
 
 
 def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, extras, ctx.chunks, ctx.key, ctx.group_name = inputs
+    q, k, v, extras, ctx.chunks, ctx.key, ctx.group_name, ctx.sink = inputs
     ctx.n_extras = len(extras)
+    # the extras whose gradient is wanted (a learned bias, the sink): the backward makes only theirs
+    ctx.learned = [i for i, e in enumerate(extras) if e.requires_grad]
     ctx.save_for_backward(q, k, v, output[0], output[1], *extras)
 
 
 def _backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple:
     q, k, v, out, lse, *extras = ctx.saved_tensors
-    dq, dk, dv = ring_region_backward_op(dout.contiguous(), q, k, v, out, lse, list(extras), ctx.chunks, ctx.key,
-                                         ctx.group_name)
-    return dq, dk, dv, [None] * ctx.n_extras, None, None, None
+    wanted = sorted(set(ctx.learned) | ({ctx.sink} - {-1}))
+    dq, dk, dv, dxs = ring_region_backward_op(dout.contiguous(), q, k, v, out, lse, list(extras), ctx.chunks,
+                                              ctx.key, ctx.group_name, ctx.sink, ctx.learned)
+    grads = dict(zip(wanted, dxs))
+    return dq, dk, dv, [grads.get(i) for i in range(ctx.n_extras)], None, None, None, None
 
 
 ring_region_op.register_autograd(_backward, setup_context=_setup)
@@ -189,5 +218,6 @@ def ring_region(query: Tensor, key: Tensor, value: Tensor, *extras: Any, region:
     mine = [slice_atom(x, a, "sq", full, lambda t, d: slice_seq(t, d, full["sq"], rank, world, layout))
             if isinstance(x, Tensor) else torch.scalar_tensor(x if isinstance(x, (int, float)) else x, device=query.device)
             for x, a in zip(extras, info.extras)]
-    out, _ = ring_region_op(query, key, value, mine, kernel_chunks(layout, world), info.score_key, group_name)
+    out, _ = ring_region_op(query, key, value, mine, kernel_chunks(layout, world), info.score_key, group_name,
+                            info.sink)
     return out

@@ -6,7 +6,8 @@ without ``scaled_dot_product_attention``::
     scores = q @ k^T                 # matmul / bmm / baddbmm (an additive bias: BLOOM's ALiBi)
     scores = f(scores, extras)       # scale, soft-capping tanh (Gemma-2), + mask or bias,
                                      # masked_fill / where with a mask: elementwise
-    p = softmax(scores, dim=-1)      # cast, dropout
+    p = softmax(scores, dim=-1)      # cast, dropout; or softmax with a sink column (gpt-oss),
+                                     # folded first into one call (softmax_sink.py)
     out = p @ v
 
 q, k and v are the region's inputs in the ``[batch, heads, seq, head_dim]`` form the model holds
@@ -38,6 +39,7 @@ from autosp.strategies.ring_region import register_scores
 from autosp.transform.region_atoms import (ELEMENTWISE, MATMUL, RESHAPING, SOFTMAX, VIEWS, Atoms, RegionAtoms,
                                            matmul_operands, op_name, region_shape, source_line, value_of)
 from autosp.transform.graph_pass import finish_pass
+from autosp.transform.softmax_sink import fold_sinks
 
 
 @dataclass
@@ -50,6 +52,7 @@ class RegionInfo:
     dropout: float = 0.0                         # the largest dropout probability inside
     unsplit: str = ""            # why its softmax cannot be split over key blocks ("": it can)
     score_key: str = ""          # its score function for ring attention (strategies/ring_region.py)
+    sink: int = -1               # which extra is a sink column joining the softmax (softmax_sink.py); -1: none
 
 
 def region_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extras: Any,
@@ -189,6 +192,7 @@ def _find(graph: fx.Graph) -> list[_Found]:
 def extract_regions(gm: fx.GraphModule) -> int:
     """Replace every region of ``gm`` by a call of :func:`region_attention`; returns how many."""
     graph = gm.graph
+    fold_sinks(gm)
     regions = _find(graph)
     for i, f in enumerate(regions):
         labels = RegionAtoms(f)
@@ -219,10 +223,16 @@ def extract_regions(gm: fx.GraphModule) -> int:
         atoms = [labels.extra_atoms.get(e) for e in extras]
         scores = _scores_of(sub, env[f.softmax].args[0].name)
         unsplit = _unsplit(f, labels, extras, scores)
+        sink = -1
+        if op_name(f.softmax) == "softmax_with_sink":
+            if f.softmax.args[1] in extras:
+                sink = extras.index(f.softmax.args[1])
+            else:
+                unsplit = unsplit or "computes its sink column inside it"
         module.autosp_region = RegionInfo(       # type: ignore[assignment]
             where=source_line(f.softmax), extras=atoms, positional=labels.positional,
             dropout=max((_dropout(n) for n in f.nodes if op_name(n) == "dropout"), default=0.0),
-            unsplit=unsplit,
+            unsplit=unsplit, sink=sink,
             score_key="" if unsplit else register_scores(scores, atoms))
         attr = f"autosp_region_{i}"
         gm.add_submodule(attr, module)

@@ -23,7 +23,7 @@ from autosp.errors import AutospError
 Atoms = tuple[tuple[str, ...], ...]            # per dim, the atoms it is made of (outer first)
 
 MATMUL = {"matmul", "bmm", "baddbmm"}
-SOFTMAX = {"softmax", "_softmax"}
+SOFTMAX = {"softmax", "_softmax", "softmax_with_sink"}     # the last: gpt-oss's sinks (softmax_sink.py)
 VIEWS = {"view", "reshape", "_unsafe_view"}
 # ops that keep their spine input's dims and read no position: elementwise maths, casts, dropout
 ELEMENTWISE = {"mul", "div", "truediv", "add", "sub", "neg", "tanh", "exp", "where", "masked_fill", "to",
@@ -33,7 +33,7 @@ ELEMENTWISE = {"mul", "div", "truediv", "add", "sub", "neg", "tanh", "exp", "whe
                 "rsqrt", "log", "erf", "gelu", "silu"}
 # ops along one dim of the scores (``dim``): within a query row (over keys) any strategy runs them;
 # over query rows only where every row is on the rank (Ulysses); over heads or batch none
-ALONG_DIM = {"softmax", "_softmax", "log_softmax", "cumsum", "logcumsumexp", "cummax", "cumprod"}
+ALONG_DIM = {"softmax", "_softmax", "softmax_with_sink", "log_softmax", "cumsum", "logcumsumexp", "cummax", "cumprod"}
 # ops that read the row and column index of the scores (a causal or banded mask made inside)
 POSITIONAL = {"tril", "triu"}
 # ops that reorder or add size-1 dims

@@ -476,7 +476,10 @@ class Sharder:
 
     def _region_inputs(self, n: fx.Node) -> tuple[fx.Node | None, bool, float]:
         """(a mask among the extras of attention written by hand, False, its dropout): its extras are
-        the single-device tensors the model computed (masks, biases); the runtime slices them."""
+        the single-device tensors the model computed (masks, biases, a sink column); the runtime
+        slices them. A learned one (a bias parameter, gpt-oss's sinks) gets the gradient of the rows
+        or heads this rank ran from its slice (every strategy's runtime differentiates it), and the
+        parameter's sum over the group where it enters the graph makes that gradient whole."""
         info = getattr(self.gm, str(n.kwargs["region"].target)).autosp_region
         extras = [a for a in n.args[3:] if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
         for a in n.args[3:]:
@@ -486,11 +489,6 @@ class Sharder:
             if a in self.local_sym:
                 raise AutospError(f"the attention written by hand at {info.where} reads {a.name}, a size of this "
                                   "rank's tokens; read sizes off q, k or v inside the attention")
-            if getattr(_val(a), "requires_grad", False):      # its gradient is not yet made whole: refused
-                name = a.args[0].name if a.target in (sum_grad, share_grad) else a.name
-                raise AutospError(f"the attention written by hand at {info.where} adds a learned tensor to its "
-                                  f"scores ({name}); autosp does not yet shard its gradient: make it from the "
-                                  "inputs (no parameter), or train this model without SP")
         return (extras[0] if extras else None), False, info.dropout
 
     def _issue_where_made(self, a: fx.Node, early: tuple[Any, dict[str, Any]], runtime: dict[str, Any]) -> fx.Node:
