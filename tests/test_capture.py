@@ -95,6 +95,17 @@ def test_other_families_capture_with_no_per_family_code(name, params):
     # gpt-oss offers eager attention only (SDPA would drop its sinks): one written region per layer
     written = [n.attention.written for n in g.attention_nodes("fwd")]
     assert written == [name.startswith("gpt-oss")] * g.captured_layers, written
+    if name.startswith("gpt-oss"):
+        # its two [1, 1, S, S] masks (sliding, full), made whole on every rank: read by all 24
+        # layers, the 22 untraced ones too, so alive at the end of the forward (once, they died
+        # after the traced layers and a 128k plan left 64 GiB of masks out of its peak)
+        from autosp.costmodel.memory import lifetimes
+
+        order, ops, _, last, _ = lifetimes(g)
+        fwd_end = max(i for i, n in enumerate(order) if ops[n].phase == "fwd" and ops[n].layer is not None)
+        masks = [n for n in order if ops[n].replicated and ops[n].layer is None and ops[n].shapes
+                 and len(ops[n].shapes[0]) == 4 and ops[n].target == "aten.where.self"]
+        assert len(masks) == 2 and all(last[m] >= fwd_end for m in masks), [(m, last[m], fwd_end) for m in masks]
 
 
 def test_405b_plans_without_allocating_weights():

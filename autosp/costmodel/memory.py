@@ -121,6 +121,15 @@ def lifetimes(graph: OpGraph) -> tuple[list[str], dict, dict[str, str], dict[str
         for u in succ:
             if ops[u].holds_memory:
                 last[b] = max(last[b], idx[u])
+    # A tensor every rank makes whole before the layers (a mask) is read by every layer of the
+    # classes that read it; where a class has layers the capture did not trace (they follow the
+    # traced ones), its last reader is among them: it lives to the end of the forward.
+    shallow = {b for lc in graph.layer_classes.values() if lc.count > len(lc.captured) for b in lc.captured}
+    fwd_end = max((idx[n] for n in order if ops[n].phase == "fwd" and ops[n].layer is not None), default=0)
+    for n in order:
+        if ops[n].replicated and ops[n].layer is None and ops[n].holds_memory and \
+                any(ops[u].layer in shallow for u in g.successors(n)):
+            last[base[n]] = max(last[base[n]], fwd_end)
     frees: dict[int, list[str]] = {}
     for b, i in last.items():
         frees.setdefault(i, []).append(b)
