@@ -258,6 +258,10 @@ def _batch(step: int, batch: int, seq_len: int, uneven: bool) -> tuple[torch.Ten
     return ids, labels
 
 
+def _nan_inf(e: float) -> float:
+    return float("inf") if e != e else e
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -317,11 +321,12 @@ def train_compare(kind: str, seq_len: int = 32, batch: int = 2, steps: int = 3, 
         loss_sp = _loss(sp, kind, ids, labels, **extra_sp)
         loss_sp.backward()
         out["losses"].append((loss_ref.item(), loss_sp.item()))
-        out["loss_err"] = max(out["loss_err"], abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item()))
+        # a NaN is the worst error (max() would keep the error before it)
+        out["loss_err"] = max(out["loss_err"], _nan_inf(abs(loss_sp.item() - loss_ref.item()) / abs(loss_ref.item())))
         for (name, p), q in zip(sp_model.named_parameters(), ref.parameters()):
             if q.grad is None:
                 continue
-            e = _rel(p.grad, q.grad)
+            e = _nan_inf(_rel(p.grad, q.grad))
             out["grad_by_name"][name] = max(e, out["grad_by_name"].get(name, 0.0))
             if e > out["grad_err"]:
                 out["grad_err"], out["worst"] = e, f"step {step} {name}"

@@ -216,7 +216,8 @@ class Ulysses(Strategy):
             return (f"is attention written by hand, whose heads {self.spec} cannot pipeline (it pipelines "
                     "SDPA calls); use plain 'ulysses'")
         if not reason and self.chunks > 1 and shape.v_head_dim and shape.v_head_dim != shape.head_dim:
-            # measured: not exact on DeepSeek-V2/V3's MLA (NaN losses on V3), cause not found yet
+            # measured: not exact on DeepSeek-V3's MLA (2 ranks, 2 groups: the first loss 4.8325 against
+            # 4.8222, parameters NaN after 3 AdamW steps), cause not found yet
             return (f"has values of head dim {shape.v_head_dim} against {shape.head_dim} for queries and keys "
                     f"(multi-head latent attention), whose heads {self.spec} does not pipeline yet; use plain 'ulysses'")
         if reason or self.chunks == 1:
