@@ -359,3 +359,18 @@ def test_inductor_never_writes_a_bf16_norms_fp32_transients(llama8b):
     assert fused["layers"][1]["rest"] <= eager["layers"][1]["rest"] - 2 * h
     assert fused["loss"] == eager["loss"]        # the fp32 logits: the loss reads them, never fused
     assert fused_away(capture("tiny", seq_len=256, dtype="float32")) == frozenset()
+
+
+def test_ulysses_costs_multi_head_latent_attention_at_the_values_head_dim():
+    # DeepSeek-V3: q/k head dim 192, v 128. V and the output move (and are saved) at 128, and the
+    # kernel's FLOPs are q k^T at 192 plus p v at 128: a head dim of 160 on average
+    from autosp.strategies import SPMesh, resolve
+    from autosp.strategies.base import AttentionShape
+
+    mla = AttentionShape(heads=128, kv_heads=128, head_dim=192, v_head_dim=128, batch=1, seq_len=131072)
+    padded = AttentionShape(heads=128, kv_heads=128, head_dim=192, batch=1, seq_len=131072)
+    costs = [resolve("ulysses").cost(s, SPMesh(8)) for s in (mla, padded)]
+    moved = [sum(t.nbytes * t.count for t in c.transfers) for c in costs]
+    assert moved[0] / moved[1] == pytest.approx((192 + 128) / (2 * 192)), moved
+    assert [c.kernels[0][0].head_dim for c in costs] == [160, 192]
+    assert costs[0].saved_bytes == pytest.approx(costs[1].saved_bytes * 128 / 192)

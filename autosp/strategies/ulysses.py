@@ -61,6 +61,11 @@ def heads_illegal(n_heads: int, n_kv: int, world: int, what: str = "SP degree") 
     return None
 
 
+def v_ratio(shape: AttentionShape) -> float:
+    """The values' head dim over the queries' (below 1 under multi-head latent attention)."""
+    return (shape.v_head_dim or shape.head_dim) / shape.head_dim if shape.head_dim else 1.0
+
+
 def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter: bool,
                          chunks: int = 1) -> list[Transfer]:
     """Q, K, V in and the output back, forward; their gradients, backward. In ``chunks`` head
@@ -68,6 +73,11 @@ def all_to_all_transfers(shape: AttentionShape, group: int, tokens: float, inter
     forward's Q, K and V each issued where the graph makes it (``lead``)."""
     q_bytes = shape.bytes(shape.heads, tokens) / chunks
     kv_bytes = shape.bytes(shape.kv_heads * kv_repeat(shape.heads, shape.kv_heads, group, chunks), tokens) / chunks
+    r = v_ratio(shape)
+    if chunks == 1 and r != 1.0:
+        # multi-head latent attention: V and the output (and their gradients) at the values' head dim
+        return [Transfer("all_to_all", group, nbytes, phase, 1, inter)
+                for phase in ("fwd", "bwd") for nbytes in (q_bytes, q_bytes * r, kv_bytes, kv_bytes * r)]
     if chunks == 1:
         return [Transfer("all_to_all", group, nbytes, phase, 2, inter)
                 for phase in ("fwd", "bwd") for nbytes in (q_bytes, kv_bytes)]
@@ -241,15 +251,16 @@ class Ulysses(Strategy):
         scores_saved, scores_live, scores_moved = score_bytes(shape, p)
         return AttentionCost(
             # an explicit mask (a window, padding) makes the fused kernel compute every block
-            kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len, shape.head_dim,
-                                 shape.causal and not shape.masked, k)]],
+            # (q k^T at the queries' head dim, p v at the values': their mean gives the FLOPs)
+            kernels=[[KernelCall(shape.batch * shape.heads / p / k, shape.seq_len, shape.seq_len,
+                                 shape.head_dim * (1 + v_ratio(shape)) / 2, shape.causal and not shape.masked, k)]],
             transfers=all_to_all_transfers(shape, p, s_loc, mesh.crosses_nodes, k),
             # unpipelined, one all-to-all's receive buffer beside its result (the send buffer is
             # freed first); pipelined, send and receive buffers of about three groups (the group
             # attending, the next one's inputs, the last output) stay in flight
             workspace_bytes=copies + (q if k == 1 else 2 * q * min(1.0, 3 / k)) + scores_live,
             # the output all-to-all's result is a new tensor, which the output projection saves
-            saved_bytes=q + scores_saved,
+            saved_bytes=q * v_ratio(shape) + scores_saved,
             copy_bytes=(2 * (copies + q) if reorder else 0.0) + scores_moved)
 
     def setup(self, group: Any) -> dict[str, Any]:
