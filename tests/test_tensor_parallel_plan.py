@@ -46,11 +46,33 @@ def test_tp_splits_the_blocks_parameters_and_keeps_the_rest_whole():
     g = _graph("tiny")           # hidden 256, 8 heads of 32, 4 key/value heads, 2 layers, vocabulary 2048
     n, blocks = g.total_params, sum(lc.params * lc.count for lc in g.layer_classes.values())
     assert g.nonlayer_params == 2 * 2048 * 256 + 256          # embedding, LM head, final norm: whole
-    assert params_per_rank(g, 1) == n and params_per_rank(g, 4) == g.nonlayer_params + blocks / 4
+    norms = 2 * 2 * 256                                        # each layer's two RMSNorm weights: whole
+    assert params_per_rank(g, 1) == n and params_per_rank(g, 4) == g.nonlayer_params + norms + (blocks - norms) / 4
     # split by TP, then sharded by ZeRO 3 over the other axes
     states = model_states(g, 4, 3, tp=2)
-    assert states["parameters"] == pytest.approx((g.nonlayer_params + blocks / 2) / 4 * dtype_bytes(g.dtype))
-    assert states["optimizer"] == pytest.approx((g.nonlayer_params + blocks / 2) / 4 * (8 + 4))
+    per_rank = g.nonlayer_params + norms + (blocks - norms) / 2
+    assert states["parameters"] == pytest.approx(per_rank / 4 * dtype_bytes(g.dtype))
+    assert states["optimizer"] == pytest.approx(per_rank / 4 * (8 + 4))
+
+
+def test_tp_costs_only_what_the_runtime_splits():
+    """The runtime splits SDPA attention on whole heads and a plain MLP; attention written by hand,
+    multi-head latent attention and mixtures of experts stay whole, and so they are costed: once a
+    TP 8 plan for DeepSeek-V3 credited TP with dividing all 671B parameters, of which it splits
+    the 3 dense layers' MLPs."""
+    from autosp.costmodel.memory import tp_split_params
+    from autosp.costmodel.tensor_parallel import splits_attention, tp_refused_for
+
+    ds = _graph("deepseek-v3", 1024)
+    assert ds.total_params == pytest.approx(671.03e9, rel=1e-3)           # 3 dense layers, then 58 of experts
+    dense_mlp = 3 * 3 * 7168 * 18432
+    assert tp_split_params(ds) == pytest.approx(dense_mlp) and not splits_attention(ds)
+    assert params_per_rank(ds, 8) == pytest.approx(ds.total_params - dense_mlp * 7 / 8)
+    oss = _graph("gpt-oss-20b", 1024)
+    assert tp_split_params(oss) == 0 and "TP splits no layer of gpt-oss-20b" in tp_refused_for(oss)
+    with pytest.raises(AutospError, match="TP degree 2 cannot help: TP splits no layer of gpt-oss-20b"):
+        plan(Problem.of(graph=oss, seq_len=4096, world_size=8, devices_per_node=8, profile="h100-sxm",
+                        tp_degrees=(2,)))
 
 
 def test_tp_collectives_and_work_are_what_the_rule_says_by_hand():
@@ -59,7 +81,7 @@ def test_tp_collectives_and_work_are_what_the_rule_says_by_hand():
     h = g.batch_size * (S / sp) * 256 * dtype_bytes(g.dtype)       # one hidden state of the SP shard
     ar = prof.collective_time("all_reduce", t, h)
     c = tp_comm(g, prof, t, S / sp)
-    blocks = 2 * 2                                                  # 2 layers x (attention, MLP)
+    blocks = 2 * 2                                                  # 2 layers x (attention, MLP), both split
     assert c.layer_forward_s == pytest.approx(blocks * ar) and c.layer_s == pytest.approx(2 * blocks * ar)
     assert c.outside_s == 0.0                                       # the head and loss run whole
     one, tp = (predict(g, prof, sp=sp, strategy="ulysses", seq_len=S, tp=k) for k in (1, t))

@@ -33,17 +33,52 @@ from typing import Any
 
 from autosp.costmodel.dtypes import DTYPE_BYTES, dtype_bytes  # noqa: F401 - where callers read them
 from autosp.graph import OpGraph, OpKind, evaluate
+from autosp.graph.ops import prod
 
+
+
+def tp_regions(graph: OpGraph) -> dict[int, set[str]]:
+    """Per captured block, the child modules TP splits (the rule: :mod:`autosp.costmodel.tensor_parallel`):
+    the one its attention op runs in, where that op is SDPA on whole heads of one head dim (not
+    attention written by hand, not multi-head latent attention), and its tileable MLP (not a
+    mixture of experts)."""
+    if "tp_regions" not in graph.memo:
+        regions: dict[int, set[str]] = {}
+        for lc in graph.layer_classes.values():
+            for block in lc.captured:
+                split = {a.region for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=block)
+                         if a.region is not None and a.attention is not None and not a.attention.written
+                         and not a.attention.v_head_dim}
+                split |= {tiled_region(graph, block)} - {None}
+                regions[block] = split
+        graph.memo["tp_regions"] = regions
+    return graph.memo["tp_regions"]
+
+
+def tp_split_params(graph: OpGraph) -> float:
+    """Parameters TP splits: the weights of the matmuls in the split modules (a linear layer's
+    weight is its FLOPs over twice its rows), over every layer of each class."""
+    if "tp_split_params" not in graph.memo:
+        total = 0.0
+        for lc in graph.layer_classes.values():
+            block = lc.captured[0]
+            split = tp_regions(graph).get(block, set())
+            for a in graph.nodes(phase="fwd", kind=OpKind.MATMUL, layer=block):
+                if a.region in split and a.shapes and a.shapes[0]:
+                    out = a.shapes[0]
+                    rows = evaluate(prod(out), 1024.0) / evaluate(out[-1], 1024.0)
+                    total += lc.count * evaluate(a.flops, 1024.0) / (2 * rows)
+        graph.memo["tp_split_params"] = total
+    return graph.memo["tp_split_params"]
 
 
 def params_per_rank(graph: OpGraph, t: int) -> float:
-    """Parameters one rank of a TP group of ``t`` holds: the blocks' / t, the rest whole (the
-    blocks' norm weights, under 0.01% of a block, counted as split; the rule:
-    :mod:`autosp.costmodel.tensor_parallel`)."""
+    """Parameters one rank of a TP group of ``t`` holds: the split modules' weights / t
+    (:func:`tp_split_params`), the rest whole (the rule: :mod:`autosp.costmodel.tensor_parallel`)."""
     n = float(graph.total_params)
     if t == 1:
         return n
-    return graph.nonlayer_params + (n - graph.nonlayer_params) / t
+    return n - tp_split_params(graph) * (1 - 1 / t)
 
 
 def model_states(graph: OpGraph, group: int, zero_stage: int, shard: int = 0, tp: int = 1) -> dict[str, float]:

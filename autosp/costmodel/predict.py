@@ -41,7 +41,8 @@ from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, ti
 from autosp.costmodel.phases import decided_peak, peak_terms
 from autosp.costmodel.overlap import transfer_times
 from autosp.costmodel.profile import HardwareProfile
-from autosp.costmodel.tensor_parallel import local_attention, params_per_rank, saved_share, split_ops, tp_comm
+from autosp.costmodel.tensor_parallel import (local_attention, params_per_rank, saved_share, split_ops,
+                                              splits_attention, tp_comm)
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, OpNode, evaluate
 from autosp.strategies import AUTO, AttentionCost, AttentionShape, SPMesh, Strategy, pick, required_layout, resolve
@@ -174,11 +175,12 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     workspace = backward_s = 0.0
     mlps = {tiled_region(graph, lc.captured[0]) for lc in graph.layer_classes.values()} - {None}
     split = split_ops(graph)[0] if tp > 1 else frozenset()
+    heads_tp = tp if tp > 1 and splits_attention(graph) else 1       # attention TP leaves whole: its heads all here
     for a, w in graph.weighted_nodes():
         if a.kind == OpKind.VIEW:
             continue
         if a.kind == OpKind.ATTENTION:
-            shape = local_attention(attention_shape(a, S, graph.attention_dropout, documents), tp)
+            shape = local_attention(attention_shape(a, S, graph.attention_dropout, documents), heads_tp)
             if shape not in costs:
                 reason = strat.refuses(shape, mesh)
                 if reason:
@@ -226,7 +228,7 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     p.attention_saved = {}
     for fp, lc in graph.layer_classes.items():
         p.attention_saved[fp] = sum(costs[local_attention(attention_shape(a, S, graph.attention_dropout, documents),
-                                                          tp)][0].saved_bytes
+                                                          heads_tp)][0].saved_bytes
                                     for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION, layer=lc.captured[0])
                                     ) if sp > 1 else 0.0
     p.backward_s = backward_s

@@ -10,18 +10,20 @@ the same tokens (those of their SP shard, S/P): a module's input is whole on eac
 summed over the group. So, per rank:
 
     work         inside a block's attention and MLP modules (the captured graph's regions: the
-                 one its attention op ran in, the tileable MLP), forward and backward: every
+                 one its attention op ran in where that is SDPA on whole heads of one head dim,
+                 the tileable MLP; attention written by hand, multi-head latent attention and
+                 mixtures of experts stay whole, as the runtime leaves them), forward and backward: every
                  matmul's FLOPs / t (at its per-rank size: small ones run less efficiently, the
                  profile's tables say how much), and every other op's bytes / t but a hidden
                  state's (the row-parallel output, whole after its sum); the attention at heads / t
                  (key/value heads / t: t must divide both); the rest of the block (norms,
                  residuals) and everything outside the blocks (embedding, LM head, loss) whole
-    parameters   the blocks' / t, the rest (embedding, LM head) whole; gradients and optimizer
+    parameters   the split modules' weights / t, the rest (embedding, LM head, norms, experts) whole; gradients and optimizer
                  states follow, and ZeRO shards them over the other axes
     activations  the schedule's liveness at S/P tokens with the tensors the work rule splits / t
                  (a tensor whose last dim is the hidden size counted whole: errs on the side of
                  memory where heads x head dim equals it)
-    collectives  per block module, of one hidden state at S/P tokens (h = B S/P H bytes): an
+    collectives  per split block module, of one hidden state at S/P tokens (h = B S/P H bytes): an
                  all-reduce of its output forward, of its input's gradient backward (a full
                  recompute repeats the forward's); the per-head norms' gradient sums are tiny
                  and left out
@@ -39,13 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autosp.costmodel.dtypes import dtype_bytes
-from autosp.costmodel.memory import hidden_bytes, params_per_rank, tiled_region  # noqa: F401 - params_per_rank: the TP rule's
+from autosp.costmodel.memory import (hidden_bytes, params_per_rank, tp_regions,  # noqa: F401 - the TP rule's
+                                     tp_split_params)
 from autosp.costmodel.profile import HardwareProfile
 from autosp.errors import AutospError
 from autosp.graph import OpGraph, OpKind, evaluate
 
 TP_DEGREES = (1, 2, 4, 8)           # what the planner searches (within a node, dividing the heads)
-BLOCKS_PER_LAYER = 2                # attention and MLP modules: an all-reduce forward, one backward each
 
 
 def tp_refusal(t: int, heads: int, kv_heads: int, devices_per_node: int, world_size: int) -> str:
@@ -82,8 +84,22 @@ def check_tp_degree(t: int, heads: int, kv_heads: int, devices_per_node: int, wo
         raise AutospError(f"TP degree {t} cannot run: {why}; use one of {', '.join(map(str, ok))}")
 
 
+def splits_attention(graph: OpGraph) -> bool:
+    """Whether TP splits this model's attention by heads (see :func:`autosp.costmodel.memory.tp_regions`)."""
+    return any(a.name in split_ops(graph)[0] for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION))
+
+
+def tp_refused_for(graph: OpGraph) -> str:
+    """Why no TP degree above 1 helps this model ("" where one does): it splits nothing of it."""
+    if tp_split_params(graph):
+        return ""
+    return (f"TP splits no layer of {graph.model_name} (its attention is written by hand or multi-head latent "
+            "attention, and its MLP a mixture of experts)")
+
+
 def local_attention(shape, t: int):
-    """An :class:`autosp.strategies.AttentionShape` as one rank of a TP group of ``t`` sees it."""
+    """An :class:`autosp.strategies.AttentionShape` as one rank of a TP group of ``t`` sees it
+    (``t``: 1 where TP leaves the attention whole, :func:`splits_attention`)."""
     if t == 1:
         return shape
     return replace(shape, heads=shape.heads // t, kv_heads=max(1, shape.kv_heads // t))
@@ -98,12 +114,7 @@ def split_ops(graph: OpGraph) -> tuple[frozenset[str], frozenset[str]]:
     """(the captured ops whose work TP splits, those whose output it splits): see the module
     docstring's work and activations rules."""
     if "tp_split" not in graph.memo:
-        regions: dict[int, set] = {}
-        for a in graph.nodes(phase="fwd", kind=OpKind.ATTENTION):
-            if a.layer is not None:
-                regions.setdefault(a.layer, set()).add(a.region)
-        for block in list(regions):
-            regions[block].add(tiled_region(graph, block))
+        regions = tp_regions(graph)
         hidden = _hidden_size(graph)
         work, out = set(), set()
         for name in graph.graph.nodes:
@@ -148,7 +159,7 @@ def tp_comm(graph: OpGraph, profile: HardwareProfile, t: int, tokens: float) -> 
     """The TP collectives of one step at ``tokens`` = S/P tokens a rank of the SP group."""
     if t == 1:
         return TPComm(0.0, 0.0)
-    layers = sum(lc.count for lc in graph.layer_classes.values())
+    modules = sum(lc.count * len(tp_regions(graph).get(lc.captured[0], ())) for lc in graph.layer_classes.values())
     h = hidden_bytes(graph, tokens)            # one hidden state of the SP shard
-    forward = layers * BLOCKS_PER_LAYER * profile.collective_time("all_reduce", t, h)
+    forward = modules * profile.collective_time("all_reduce", t, h)
     return TPComm(layer_forward_s=forward, layer_s=2 * forward)

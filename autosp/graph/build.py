@@ -57,7 +57,9 @@ def build_hf(src: ModelSource, dtype: torch.dtype, seq_len: int, max_layers: int
     notes = []
     n_full = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or [])
-    full_keys = layer_types if len(layer_types) == n_full else [0] * n_full
+    # a layer's key: its attention type and whether its MLP is a mixture of experts; the trace
+    # reaches the first layer of every key, and each untraced layer is costed as its key's
+    full_keys = list(zip(layer_types if len(layer_types) == n_full else [0] * n_full, mlp_kinds(cfg, n_full)))
     if max_layers is None:
         k = n_full
     else:
@@ -81,6 +83,22 @@ def build_hf(src: ModelSource, dtype: torch.dtype, seq_len: int, max_layers: int
     per_key = {key: block_params[i] for i, key in enumerate(full_keys[:k])}
     total = count_params(module) - sum(block_params) + sum(per_key[key] for key in full_keys)
     return Built(src.name, module, blocks, full_keys, full_keys[:k], True, notes, total)
+
+
+def mlp_kinds(cfg: Any, n: int) -> list[str]:
+    """Per layer, "moe" or "dense", where a family mixes them, as its config says (DeepSeek and
+    Kimi: the first ``first_k_dense_replace`` layers dense, then every ``moe_layer_freq``-th;
+    Qwen-MoE: ``mlp_only_layers`` dense, experts every ``decoder_sparse_step``-th); "" elsewhere."""
+    first = getattr(cfg, "first_k_dense_replace", None)
+    if isinstance(first, int):
+        freq = getattr(cfg, "moe_layer_freq", 1) or 1
+        return ["moe" if i >= first and i % freq == 0 else "dense" for i in range(n)]
+    only = getattr(cfg, "mlp_only_layers", None)
+    step = getattr(cfg, "decoder_sparse_step", None)
+    if isinstance(step, int) and (getattr(cfg, "num_experts", 0) or 0) > 0:
+        only = set(only or [])
+        return ["moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n)]
+    return [""] * n
 
 
 def count_params(module: nn.Module) -> int:

@@ -20,7 +20,7 @@ from autosp.costmodel.phases import (first_layer_own, offloaded_own, own_bytes, 
 from autosp.costmodel.predict import Prediction, attention_shape, predict
 from autosp.costmodel.profile import HardwareProfile
 from autosp.costmodel.tensor_parallel import (TP_DEGREES, check_tp_degree, legal_tp_degrees, local_attention,
-                                             saved_share)
+                                              saved_share, splits_attention, tp_refused_for)
 from autosp.decisions import LayerChoice, MeshChoice, mlp_chunk_counts
 from autosp.errors import AutospError
 from autosp.planner.ilp import Candidate, Option
@@ -57,8 +57,10 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
     cands: list[Candidate] = []
     total_layers = sum(lc.count for lc in graph.layer_classes.values())
     width = hidden_bytes(graph, 1.0) / dtype_bytes(graph.dtype)        # the hidden size, for ALST's MLP chunks
-    for tp, sp in _tp_by_sp(problem, whole.heads, whole.kv_heads):
-        shape = local_attention(whole, tp)
+    # TP splits the heads only where it splits the attention (0 heads: no head constraint)
+    by_heads = splits_attention(graph)
+    for tp, sp in _tp_by_sp(problem, whole.heads if by_heads else 0, whole.kv_heads if by_heads else 0):
+        shape = local_attention(whole, tp if by_heads else 1)
         optimizer = model_states(graph, world // tp, zero_stage, zero_shard, tp)["optimizer"]
         host_step = host_optimizer_step(prof, optimizer, dtype_bytes(graph.dtype))
         host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
@@ -156,8 +158,13 @@ def _tp_by_sp(problem: Problem, heads: int, kv_heads: int) -> list[tuple[int, in
     (:func:`autosp.costmodel.tensor_parallel.tp_refusal`), SP dividing the rest of the world."""
     space, world, dpn = problem.space, problem.world_size, problem.devices_per_node
     allowed = space.tp_degrees if space.tp_degrees is not None else TP_DEGREES
+    nothing = tp_refused_for(problem.graph)
     for t in space.tp_degrees or ():        # degrees the caller fixed: each one must run
+        if t > 1 and nothing:
+            raise AutospError(f"TP degree {t} cannot help: {nothing}; use TP 1")
         check_tp_degree(t, heads, kv_heads, dpn, world)
+    if nothing:
+        allowed = (1,)
     return [(tp, sp) for tp in legal_tp_degrees(heads, kv_heads, dpn, world, allowed)
             for sp in _divisors(world // tp) if space.sp_degrees is None or sp in space.sp_degrees]
 
