@@ -113,6 +113,46 @@ class _HandWrittenBlock(torch.nn.Module):
         return x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+class _CausalConv(torch.nn.Module):
+    """A short causal convolution over the tokens (a left pad, then a depthwise conv1d, no trim):
+    what a Mamba-2 or gated DeltaNet layer runs before its scan."""
+
+    def __init__(self, dim: int, k: int = 4):
+        super().__init__()
+        self.k, self.conv = k, torch.nn.Conv1d(dim, dim, k, groups=dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x.transpose(1, 2), (self.k - 1, 0))).transpose(1, 2)
+
+
+class _ConvMixerBlock(torch.nn.Module):
+    """The causal convolution, then SDPA attention."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.mixer, self.heads, self.qkv = _CausalConv(dim), heads, torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        mixed = self.mixer(x)
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(mixed).split(c, dim=2))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + att.transpose(1, 2).reshape(b, t, c)
+
+
+class _ConvMixer(torch.nn.Module):
+    def __init__(self, heads: int, dim: int = 64, vocab: int = 128):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
+        self.layers = torch.nn.ModuleList(_ConvMixerBlock(dim, heads) for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 class _HandWritten(torch.nn.Module):
     def __init__(self, heads: int, dim: int = 64, vocab: int = 128, **how: bool):
         super().__init__()
@@ -163,6 +203,15 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
                                          num_experts_per_tok=2, output_router_logits=True,
                                          router_aux_loss_coef=0.02, **common)
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    if kind == "conv_mixer":
+        return _ConvMixer(heads)
+    if kind == "qwen3_next":      # gated DeltaNet (a causal conv1d, then a chunked scan) beside gated attention
+        return transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(
+            hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"], **common))
     if kind.startswith("handwritten"):         # handwritten[_mixing|_einsum|_tril|_learned]
         how = kind.split("_")[1] if "_" in kind else ""
         return _HandWritten(heads, **({how: True} if how else {}))
@@ -227,7 +276,7 @@ def falcon_sdpa_kv_heads(heads: int) -> int:
 
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
           **extra: torch.Tensor) -> torch.Tensor:
-    if kind.startswith("reference") or kind.startswith("token_local") or kind.startswith("handwritten"):
+    if kind.startswith(("reference", "token_local", "handwritten", "conv_mixer")):
         return model(ids, labels=labels)
     # use_cache=False, as autosp runs HF models: without a cache transformers also reads packed
     # documents from restarting position ids (with one, it silently attends across them)

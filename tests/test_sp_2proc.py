@@ -188,7 +188,9 @@ def test_attention_written_by_hand_matches_single_device(pool, kind, strategy, l
         assert len(bias) == 2 and max(bias.values()) <= GRAD_TOL, bias
 
 
-@pytest.mark.parametrize("strategy,compiler", [("auto", "default"), ("allgather_kv", None), ("zigzag_ring", None)])
+# (all-gather-KV runs the region as written, as Ulysses does, on this rank's rows: a learned extra
+# under it is the bias case of test_attention_written_by_hand_matches_single_device)
+@pytest.mark.parametrize("strategy,compiler", [("auto", "default"), ("zigzag_ring", None)])
 def test_attention_sinks_are_exact(pool, strategy, compiler):
     # gpt-oss: a learned logit per head joins each row's softmax and is dropped after it; a
     # sliding-window layer, then a full one; mixtures of experts. "auto" is the call users make:
@@ -254,6 +256,19 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     msg = run_ok(pool, "expect_error", kind="handwritten_einsum", strategy="ulysses")[0]
     assert "no attention autosp can shard" in msg and "softmax (" in msg and "dist_models.py" in msg, msg
     assert "scaled_dot_product_attention" in msg, msg
+
+
+def test_a_sequence_mixer_autosp_cannot_shard_is_refused_naming_the_layer(pool):
+    # a causal conv1d over the tokens (a left pad, no trim): each rank once convolved its shard from
+    # a zero pad, silently wrong at the shard's start; now refused, naming the layer, the op, the line
+    msg = run_ok(pool, "expect_error", kind="conv_mixer", strategy="ulysses")[0]
+    assert msg.startswith("layer layers.0.mixer (_CausalConv) mixes tokens in a way autosp cannot shard yet: it "
+                          "pads the sequence"), msg
+    assert "dist_models.py" in msg and "train this model without SP" in msg and "labels" not in msg, msg
+    # Qwen3-Next's gated DeltaNet beside its attention layer: the DeltaNet is named, not labels advice
+    msg = run_ok(pool, "expect_error", kind="qwen3_next", strategy="ulysses")[0]
+    assert msg.startswith("layer model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) mixes tokens"), msg
+    assert "labels" not in msg, msg
 
 
 def test_ranks_of_an_sp_group_passing_different_batches_are_refused(pool):

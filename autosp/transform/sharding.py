@@ -63,6 +63,7 @@ from autosp.transform.graph_pass import finish_pass
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.observe import observe_tokens
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
+from autosp.transform.sequence_mixers import CONVOLUTIONS, module_paths, name_the_mixer
 from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -258,6 +259,7 @@ class Sharder:
         self.syms = self.find_seq_symbols(attn) if attn else self.find_seq_symbols_by_length(self.ctx.seq_len)
         self.full_len = self._full_len_node()
         entry = set() if attn else self._slice_activations_at_entry()
+        mixing = module_paths(attn)         # where a refusal inside a block names its sequence mixer
         for n in list(self.graph.nodes):
             if n in entry:
                 continue
@@ -274,7 +276,10 @@ class Sharder:
             elif n.op == "call_module":
                 raise AutospError(f"graph calls module {n.target} opaquely ({_where(n)}); autosp needs it inlined")
             else:
-                self._visit(n)
+                try:
+                    self._visit(n)
+                except AutospError as e:     # inside a layer that mixes tokens without attention: say so
+                    raise name_the_mixer(n, e, _name(n), _where(n), mixing) from None
         self.report.shared_replicated = share_replicated_gradients(self.graph, self.place, self.ctx.world)
         for n, dims in self.place.items():     # read by later passes (tiled_mlp.py): which dims are tokens
             n.meta["autosp_seq"] = dims
@@ -561,6 +566,9 @@ class Sharder:
             return self._check_getitem(n, src)
         if name in ("cat", "concat", "stack"):
             return self._check_cat(n)
+        if src is not None and self.place.get(src) and self._along_sequence(n, name, src):
+            raise AutospError(f"op '{name}' works along the sharded sequence dim ({_where(n)}); autosp cannot split "
+                              "it across ranks")
         if name in _DIM_MIXING and src is not None and self.place.get(src):
             pos = _DIM_POSITION.get(name, 1)
             dim = n.kwargs.get("dim", n.kwargs.get("dims", n.args[pos] if len(n.args) > pos else None))
@@ -573,6 +581,17 @@ class Sharder:
                     raise AutospError(
                         f"op '{name}' works along the sharded sequence dim ({_where(n)}); autosp cannot split "
                         "it across ranks: move it out of the model or express it as attention")
+
+    def _along_sequence(self, n: fx.Node, name: str, src: fx.Node) -> bool:
+        """A convolution over the sharded dim, or a pad of it: both need the neighbour's tokens."""
+        ndim = _val(src).dim()
+        if name in CONVOLUTIONS:
+            return bool(set(self.place[src]) & set(range(2, ndim)))
+        if name == "pad":
+            pads = n.args[1] if len(n.args) > 1 else n.kwargs.get("pad", ())
+            padded = {ndim - 1 - i // 2 for i, p in enumerate(pads) if not (isinstance(p, int) and p == 0)}
+            return bool(padded & set(self.place[src]))
+        return False
 
     def _check_getitem(self, n: fx.Node, src: fx.Node) -> None:
         idx = n.args[1]
