@@ -245,6 +245,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", choices=["concurrency", "offload", "e2e", "peers"], help="run this check alone")
     ap.add_argument("--strategies", default=None, help="--only e2e: comma-separated (default: every one)")
+    ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"],
+                    help="--only e2e: what compiles the sharded graphs (the suite's dry run: aot_eager, for time)")
     ap.add_argument("--dry", action="store_true", help="--only offload / e2e / peers on CPU with a tiny model")
     ap.add_argument("--tokens", type=int, default=None, help="--only offload: tokens per rank (default 131072)")
     args = ap.parse_args()
@@ -263,7 +265,7 @@ def main() -> None:
 
         if args.dry or torch.cuda.is_available():
             picked = tuple(args.strategies.split(",")) if args.strategies else None
-            res = sharded_step_check.main(args.out, args.dry, picked)
+            res = sharded_step_check.main(args.out, args.dry, picked, args.compiler)
             return 0 if all(r["ok"] for r in res["rows"]) else 1
         print("no CUDA device: GPU checks skipped (--dry runs this one on CPU)")
         return

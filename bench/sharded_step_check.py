@@ -102,14 +102,14 @@ def rank_step(strategy: str, device: str, compiler: str, steps: int = 2, seq_len
     return row
 
 
-def sharded_step_check(dry: bool = False, strategies: tuple[str, ...] = STRATEGIES, steps: int = 2) -> dict[str, Any]:
+def sharded_step_check(dry: bool = False, strategies: tuple[str, ...] = STRATEGIES, steps: int = 2,
+                       compiler: str = "inductor") -> dict[str, Any]:
     """Every strategy's row (or its error), on 2 ranks."""
     from autosp.tools.launch import spawn_gloo
 
     gpus = 0 if dry else torch.cuda.device_count()
     backend = "nccl" if gpus >= 2 else "gloo"
     device = "cpu" if dry else "cuda"
-    compiler = "inductor"
     out: dict[str, Any] = {"device": "cpu" if dry else torch.cuda.get_device_name(), "backend": backend,
                            "gpus": gpus, "compiler": compiler, "tolerance": TOLERANCE, "rows": []}
     for strategy in strategies:
@@ -136,9 +136,9 @@ def _line(r: dict[str, Any]) -> str:
                if r.get("outside_allocator_bytes") is not None else ""))
 
 
-def main(out_dir: str, dry: bool, strategies: tuple[str, ...] | None = None) -> dict[str, Any]:
-    print(f"sharded bf16 steps, 2 ranks, against one process (tolerance {TOLERANCE}):")
-    res = sharded_step_check(dry, strategies or STRATEGIES)
+def main(out_dir: str, dry: bool, strategies: tuple[str, ...] | None = None, compiler: str = "inductor") -> dict[str, Any]:
+    print(f"sharded bf16 steps, 2 ranks, against one process (tolerance {TOLERANCE}), compiled by {compiler}:")
+    res = sharded_step_check(dry, strategies or STRATEGIES, compiler=compiler)
     with open(os.path.join(out_dir, "sharded_step.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res

@@ -140,11 +140,18 @@ class _ConvMixerBlock(torch.nn.Module):
         return x + att.transpose(1, 2).reshape(b, t, c)
 
 
+class _RunningMeanBlock(_ConvMixerBlock):
+    """A running mean over the tokens in the block's own forward (no submodule to run gathered)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + x.cumsum(1) / torch.arange(1, x.shape[1] + 1, device=x.device)[:, None])
+
+
 class _ConvMixer(torch.nn.Module):
-    def __init__(self, heads: int, dim: int = 64, vocab: int = 128):
+    def __init__(self, heads: int, dim: int = 64, vocab: int = 128, block: type = _ConvMixerBlock):
         super().__init__()
         self.embed, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
-        self.layers = torch.nn.ModuleList(_ConvMixerBlock(dim, heads) for _ in range(2))
+        self.layers = torch.nn.ModuleList(block(dim, heads) for _ in range(2))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -205,6 +212,8 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
         return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
     if kind == "conv_mixer":
         return _ConvMixer(heads)
+    if kind == "running_mean":
+        return _ConvMixer(heads, block=_RunningMeanBlock)
     if kind == "qwen3_next":      # gated DeltaNet (a causal conv1d, then a chunked scan) beside gated attention
         return transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(
             hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
@@ -212,6 +221,26 @@ def build(kind: str, heads: int = 4, kv: int = 2, **extra: Any) -> torch.nn.Modu
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=["linear_attention", "full_attention"], **common))
+    if kind == "bamba":           # Mamba-2 layers (a causal conv1d, then the chunked SSD scan) beside attention
+        return transformers.AutoModelForCausalLM.from_config(transformers.BambaConfig(
+            hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=kv, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+            mamba_d_state=16, mamba_chunk_size=8, **common))
+    if kind == "jamba":           # Mamba-1 layers (a conv1d, then a selective scan), attention, experts
+        return transformers.AutoModelForCausalLM.from_config(transformers.JambaConfig(
+            hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=kv, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=4,
+            use_mamba_kernels=False, **common))
+    if kind == "minimax":         # lightning (linear) attention with decay, in blocks, beside softmax attention
+        return transformers.AutoModelForCausalLM.from_config(transformers.MiniMaxConfig(
+            hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=8,
+            layer_types=["linear_attention", "full_attention"], **common))
+    if kind == "mamba2":          # Mamba-2 alone: no attention at all
+        return transformers.AutoModelForCausalLM.from_config(transformers.Mamba2Config(
+            hidden_size=16 * heads, num_heads=4, head_dim=32, state_size=16, n_groups=1, num_hidden_layers=2,
+            chunk_size=8, vocab_size=128))
     if kind.startswith("handwritten"):         # handwritten[_mixing|_einsum|_tril|_learned]
         how = kind.split("_")[1] if "_" in kind else ""
         return _HandWritten(heads, **({how: True} if how else {}))
@@ -276,7 +305,7 @@ def falcon_sdpa_kv_heads(heads: int) -> int:
 
 def _loss(model: torch.nn.Module, kind: str, ids: torch.Tensor, labels: torch.Tensor,
           **extra: torch.Tensor) -> torch.Tensor:
-    if kind.startswith(("reference", "token_local", "handwritten", "conv_mixer")):
+    if kind.startswith(("reference", "token_local", "handwritten", "conv_mixer", "running_mean")):
         return model(ids, labels=labels)
     # use_cache=False, as autosp runs HF models: without a cache transformers also reads packed
     # documents from restarting position ids (with one, it silently attends across them)

@@ -190,7 +190,8 @@ def test_attention_written_by_hand_matches_single_device(pool, kind, strategy, l
 
 # (all-gather-KV runs the region as written, as Ulysses does, on this rank's rows: a learned extra
 # under it is the bias case of test_attention_written_by_hand_matches_single_device)
-@pytest.mark.parametrize("strategy,compiler", [("auto", "default"), ("zigzag_ring", None)])
+# (zigzag ring, which merges the sink into each row's log-sum-exp: on 4 ranks)
+@pytest.mark.parametrize("strategy,compiler", [("auto", "default")])
 def test_attention_sinks_are_exact(pool, strategy, compiler):
     # gpt-oss: a learned logit per head joins each row's softmax and is dropped after it; a
     # sliding-window layer, then a full one; mixtures of experts. "auto" is the call users make:
@@ -258,17 +259,43 @@ def test_attention_written_by_hand_is_refused_where_unsafe(pool):
     assert "scaled_dot_product_attention" in msg, msg
 
 
-def test_a_sequence_mixer_autosp_cannot_shard_is_refused_naming_the_layer(pool):
-    # a causal conv1d over the tokens (a left pad, no trim): each rank once convolved its shard from
-    # a zero pad, silently wrong at the shard's start; now refused, naming the layer, the op, the line
-    msg = run_ok(pool, "expect_error", kind="conv_mixer", strategy="ulysses")[0]
-    assert msg.startswith("layer layers.0.mixer (_CausalConv) mixes tokens in a way autosp cannot shard yet: it "
-                          "pads the sequence"), msg
-    assert "dist_models.py" in msg and "train this model without SP" in msg and "labels" not in msg, msg
-    # Qwen3-Next's gated DeltaNet beside its attention layer: the DeltaNet is named, not labels advice
-    msg = run_ok(pool, "expect_error", kind="qwen3_next", strategy="ulysses")[0]
-    assert msg.startswith("layer model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) mixes tokens"), msg
-    assert "labels" not in msg, msg
+# (kind, strategy, the mixer layers and their type, the op that made each a mixer)
+HYBRIDS = [("qwen3_next", "ulysses", ["model.layers.0.linear_attn"], "Qwen3NextGatedDeltaNet", "conv1d"),
+           ("bamba", "ring", ["model.layers.0.mamba"], "BambaMixer", "conv1d"),
+           # (MiniMax's lightning attention, run gathered under zigzag ring: exact, measured for the note)
+           ("conv_mixer", "ulysses", ["layers.0.mixer", "layers.1.mixer"], "_CausalConv", "pad")]
+
+
+@pytest.mark.parametrize("kind,strategy,layers,mixer,trigger", HYBRIDS, ids=[h[0] for h in HYBRIDS])
+def test_linear_attention_and_state_space_hybrids_run_their_mixers_gathered_and_are_exact(
+        pool, kind, strategy, layers, mixer, trigger):
+    # Qwen3-Next's gated DeltaNet, Bamba's Mamba-2, MiniMax's lightning attention, a hand-written
+    # causal conv: each once refused (or, for the conv, silently wrong at each shard's start). The
+    # mixer's module runs on the whole sequence (its input all-gathered where it enters, its input's
+    # gradient summed over the ranks), the attention layers keep their strategy; exact against one
+    # process, and the report says which layer ran how.
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, steps=2)
+    attention_layers = 2 if kind == "conv_mixer" else 1
+    check_exact(res, [strategy] * attention_layers)
+    ran = res[0]["report"]["mixers"]
+    assert [m["layer"] for m in ran] == layers and {m["type"] for m in ran} == {mixer}, ran
+    assert all(m["kind"] == "gathered" and m["trigger"].startswith(trigger) for m in ran), ran
+    # one all-gather per mixer per step, besides what the strategy issues (on the zigzag layout the
+    # gathered tokens are put back in token order before the mixer reads them)
+    check_ran(res[0], strategy, world=2, ops=attention_layers, also={"all_gather": len(layers)})
+
+
+def test_token_mixing_autosp_cannot_run_is_refused_naming_the_layer(pool):
+    # a running mean in the block's own forward: no submodule to run gathered; refused naming the
+    # layer, the op and the model's line, never labels advice
+    msg = run_ok(pool, "expect_error", kind="running_mean", strategy="ulysses")[0]
+    assert msg.startswith("layer layers.0 (_RunningMeanBlock) mixes tokens in a way autosp cannot shard: it "
+                          "runs a cumulative op along the sequence"), msg
+    assert "dist_models.py" in msg and "submodule" in msg and "labels" not in msg, msg
+    # Mamba-2 alone: nothing left for SP to split once its mixers run gathered
+    msg = run_ok(pool, "expect_error", kind="mamba2", strategy="ulysses")[0]
+    assert msg.startswith("Mamba2ForCausalLM has no attention to shard: its token mixing (2 Mamba2Mixer layers) "
+                          "runs gathered"), msg
 
 
 def test_ranks_of_an_sp_group_passing_different_batches_are_refused(pool):
@@ -584,16 +611,7 @@ def test_a_router_loss_on_logits_gathered_after_a_graph_break_gets_one_process_g
         assert r["plan_layers"] is not None, "the planner chose the strategy"
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v3"])       # V2 (its length kept symbolic): test_capture.py
-def test_multi_head_latent_attention_is_planned_and_exact(pool, kind):
-    # DeepSeek's MLA (values of a smaller head dim than queries and keys), a dense layer then an MoE
-    # one: the first call's planner plans it (it once warned and fell back) and picks plain Ulysses,
-    # the one strategy that takes the two head dims (the block kernels do not; Ulysses in head groups
-    # came out NaN on V3); exact against one process.
-    res = run_ok(pool, "train_compare", kind=kind, strategy="auto")
-    for r in res:
-        assert r["plan_layers"] is not None, "planned, not the fallback"
-        check_exact([r], ["ulysses"] * 2)
+# (DeepSeek-V3's multi-head latent attention, planned by the first call: on 4 ranks)
 
 
 def test_a_memory_limit_no_plan_meets_fails_on_every_rank(pool):

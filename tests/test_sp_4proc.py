@@ -3,7 +3,7 @@
 import pytest
 
 from dist_harness import Pool
-from test_sp_2proc import (MASKED, check_balanced_stream, check_exact, check_first_step_exact, check_graph_break,
+from test_sp_2proc import (GRAD_TOL, MASKED, check_balanced_stream, check_exact, check_first_step_exact, check_graph_break,
                            check_inputs_embeds, check_ran, expected_collectives, run_ok)
 
 
@@ -53,6 +53,28 @@ def test_attention_written_by_hand_on_four_ranks(pool, kind, strategy, layout):
     check_exact(res, [strategy] * 2)
     check_ran(res[0], strategy, world=4)
     assert {a["layout"] for a in res[0]["report"]["attention"]} == {layout or "contiguous"}, res[0]["report"]
+
+
+@pytest.mark.parametrize("kind,strategy,compiler", [("gpt_oss", "zigzag_ring", None), ("deepseek_v3", "auto", None)])
+def test_sinks_and_latent_attention_on_four_ranks(pool, kind, strategy, compiler):
+    # gpt-oss's sinks on 4 ranks, more than its 2 KV heads, around a zigzag ring: each row's sink
+    # joins its log-sum-exp once, after the last of 4 key blocks, and the sinks' gradient is summed
+    # over the ranks that saw the rows.
+    # DeepSeek-V3's latent attention (values of a smaller head dim than queries and keys), a dense
+    # layer then an MoE one: the first call's planner plans it (it once warned and fell back) and
+    # picks plain Ulysses, the one strategy that takes the two head dims (the block kernels do not;
+    # Ulysses in head groups came out NaN on V3). Through Inductor it passes too (146 s on 4 ranks:
+    # left out of the suite for its time). V2 (its length kept symbolic): test_capture.py
+    res = run_ok(pool, "train_compare", kind=kind, strategy=strategy, compiler=compiler, steps=2)
+    ran = res[0]["strategies"]
+    if strategy == "auto":
+        assert all(r["plan_layers"] is not None for r in res), "planned, not the fallback"
+        assert ran == ["ulysses"] * 2, ran
+    check_exact(res, ran if strategy == "auto" else [strategy] * 2)
+    check_ran(res[0], ran[0], world=4)
+    if kind == "gpt_oss":
+        sinks = {k: v for k, v in res[0]["grad_by_name"].items() if k.endswith("sinks")}
+        assert len(sinks) == 2 and max(sinks.values()) <= GRAD_TOL, sinks
 
 
 # ring on 4 ranks: test_more_ranks_than_heads, test_graph_break_between_sharded_layers_is_exact

@@ -22,6 +22,12 @@ def check_first_call(sp: Any, padded: bool) -> None:
             "torch.compile never called autosp's backend (compilation disabled, or the recompile limit of "
             f"{torch._dynamo.config.recompile_limit} per function was hit by earlier models); call "
             "torch._dynamo.reset() or raise torch._dynamo.config.recompile_limit")
+    mixers = [m for r in sp.state.reports for m in r.mixers]
+    if sp.state.attention_ops == 0 and mixers:
+        raise AutospError(
+            f"{type(sp.module).__name__} has no attention to shard: its token mixing ({len(mixers)} "
+            f"{mixers[0].type} layers) runs gathered, on the whole sequence on every rank, so SP would "
+            "save no memory; train it without SP (DP or ZeRO over the ranks, a mesh with SP 1)")
     if sp.state.attention_ops == 0:
         found = "; ".join(sp.state.eager_attention) or "no attention op at all"
         fix = "write it as softmax(q @ k^T ...) @ v on [batch, heads, seq, head_dim] tensors" \

@@ -69,6 +69,9 @@ class SPReport:
     tp_degree: int = 1
     tp: dict[str, Any] = field(default_factory=dict)
     tp_collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    # layers that mix tokens without attention (linear attention, state-space scans): how each ran
+    # (transform/sequence_mixers.py: layer, type, kind, ops, the op that made it a mixer)
+    mixers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def work_balance(self) -> float:
@@ -99,6 +102,8 @@ class SPReport:
             t.add_row(str(r.index), r.strategy, r.layout, f"{r.heads} / {r.kv_heads}",
                       f"{r.ulysses_degree} x {r.ring_degree}", str(r.heads_per_rank), str(r.tokens_per_rank),
                       r.checkpoint, str(r.mlp_chunks), r.overlap)
+        for m in self.mixers:
+            t.add_row(m["layer"], f"{m['kind']} ({m['type']})", "", "", "", "", str(self.padded_len), "", "", "")
         t.add_section()
         for kind, c in sorted(self.collectives.items()):
             t.add_row(kind, f"{c['calls']} calls", f"{c['bytes'] / 2**20:.2f} MiB sent",
@@ -161,7 +166,8 @@ def report_of(sp: Any) -> SPReport:
                     plans=len(sp._plans), compiled_variants=max(len(sp._variants), 1),
                     loss_tokens=_loss_tokens(observed(sp._loss_group_name).loss_tokens),
                     tp_degree=tp_report.degree if tp_report else 1,
-                    tp=tp_report.as_dict() if tp_report and tp_report.degree > 1 else {}, tp_collectives=tp_counts)
+                    tp=tp_report.as_dict() if tp_report and tp_report.degree > 1 else {}, tp_collectives=tp_counts,
+                    mixers=[asdict(m) for r in sp.state.reports for m in r.mixers])
 
 
 def _issued(step: dict, groups: set[str]) -> dict[str, dict[str, float]]:

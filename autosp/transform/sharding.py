@@ -63,7 +63,7 @@ from autosp.transform.graph_pass import finish_pass
 from autosp.transform.loss import global_mean, global_sum, sharded_cross_entropy, token_total
 from autosp.transform.observe import observe_tokens
 from autosp.transform.replicated import share_grad, share_replicated_gradients, sum_grad
-from autosp.transform.sequence_mixers import CONVOLUTIONS, module_paths, name_the_mixer
+from autosp.transform.sequence_mixers import CONVOLUTIONS, MixerRun, gathered_mixers, module_paths, name_the_mixer
 from autosp.transform.token_local import token_local_module
 
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -147,6 +147,8 @@ class ShardReport:
     dropout_at: list[str] = field(default_factory=list)      # attention ops with dropout
     # ops of a sharded graph that read a parameter yet ran on the full sequence (work SP should split)
     replicated_work: list[str] = field(default_factory=list)
+    # layers that mix tokens without attention, run on the gathered sequence (sequence_mixers.py)
+    mixers: list[MixerRun] = field(default_factory=list)
     starts_at: str = ""               # where the graph's first op comes from (for messages)
 
 
@@ -201,6 +203,8 @@ class Sharder:
         # nodes inside a token-local module (mixture-of-experts), by the module's path
         self.region = {n: r for n in self.graph.nodes if (r := token_local_module(n.meta)) is not None}
         self.per_rank: dict[fx.Node, str] = {}      # values of this rank's tokens, to stay in their module
+        self.gathered: dict[fx.Node, str] = {}       # ops of sequence mixers that run on the whole sequence
+        self.gathers: dict[fx.Node, fx.Node] = {}    # a sharded value -> its gathered copy
         first = next((n for n in self.graph.nodes if n.op == "call_function"), None)
         self.report.starts_at = _where(first) if first is not None else "an empty graph"
 
@@ -260,6 +264,8 @@ class Sharder:
         self.full_len = self._full_len_node()
         entry = set() if attn else self._slice_activations_at_entry()
         mixing = module_paths(attn)         # where a refusal inside a block names its sequence mixer
+        self.gathered, self.report.mixers = gathered_mixers(self.graph, self.seq_dims, mixing,
+                                                            set(self.region.values()))
         for n in list(self.graph.nodes):
             if n in entry:
                 continue
@@ -368,6 +374,8 @@ class Sharder:
                     f"'{a.name}' is computed from this rank's tokens inside token-local module {self.per_rank[a]} "
                     f"and used outside it ({_where(n)}); under SP each rank holds its own value: return only "
                     "per-token outputs from the module")
+        if n in self.gathered:
+            return self._run_gathered(n)
         if n.target in ATTENTION_TARGETS:
             return self._attention(n)
         if n.target in CE_TARGETS and s_in:
@@ -413,6 +421,39 @@ class Sharder:
             self._replace_input(n, a, self._slice(a))
         self._localize_shape_args(n)
         self.place[n] = out_dims
+
+    def _run_gathered(self, n: fx.Node) -> None:
+        """An op of a sequence mixer: it reads whole tensors (sharded ones gathered where they enter
+        the mixer, lengths read off them the global one) and its output is replicated; a sharded op
+        that reads it slices it (sequence_mixers.py)."""
+        for a in n.all_input_nodes:
+            dims = self.place.get(a)
+            if a in self.local_sym:
+                if not (isinstance(_val(a), torch.SymInt) and _val(a).node.expr in self.syms):
+                    raise AutospError(f"sequence mixer {self.gathered[n]} reads '{a.name}', a size computed from this "
+                                      f"rank's tokens outside it ({_where(a)}); read sizes inside the module")
+                n.replace_input_with(a, self.full_len)
+            elif dims is not None:
+                if len(dims) != 1 or dims[0] < 0:
+                    raise AutospError(f"sequence mixer {self.gathered[n]} reads '{a.name}' ({_where(n)}), which "
+                                      f"holds {'a tuple of shards' if dims[0] < 0 else 'several sequence dims'}; "
+                                      "autosp gathers a mixer's inputs one tensor at a time")
+                n.replace_input_with(a, self._gathered_copy(a, dims[0]))
+        self.place[n] = None
+
+    def _gathered_copy(self, a: fx.Node, dim: int) -> fx.Node:
+        """``a`` on the whole sequence: all-gathered forward; backward, the gradient (each rank's,
+        from its own tokens' outputs) summed over the group before each keeps its tokens' part."""
+        if a not in self.gathers:
+            with self.graph.inserting_after(a):
+                g = self.graph.call_function(gather_seq, (a, dim, self.full_len, self.ctx.world,
+                                                          self.ctx.group_name, self.ctx.layout))
+            with self.graph.inserting_after(g):
+                self.gathers[a] = self.graph.call_function(sum_grad, (g, self.ctx.group_name))
+            g.meta = _inserted_meta(a)
+            self.gathers[a].meta = _inserted_meta(a)
+            self.place[g] = self.place[self.gathers[a]] = None
+        return self.gathers[a]
 
     def _out_dims(self, n: fx.Node, v: Any) -> tuple[int, ...] | None:
         if isinstance(v, torch.Tensor):
