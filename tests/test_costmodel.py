@@ -374,3 +374,17 @@ def test_ulysses_costs_multi_head_latent_attention_at_the_values_head_dim():
     assert moved[0] / moved[1] == pytest.approx((192 + 128) / (2 * 192)), moved
     assert [c.kernels[0][0].head_dim for c in costs] == [160, 192]
     assert costs[0].saved_bytes == pytest.approx(costs[1].saved_bytes * 128 / 192)
+
+
+def test_sizes_a_chunked_scan_pads_to_evaluate_at_any_length():
+    # Mamba-2's scan pads the length to a multiple of its chunk: torch's FloorDiv and Mod in the
+    # size, which evaluate on integers only; the planner asks at per-rank lengths that are not whole
+    from torch.utils._sympy.functions import FloorDiv, Mod
+
+    from autosp.graph.opgraph import S, evaluate
+
+    padded = S + Mod(256 - Mod(S, 256), 256)
+    size = 512 * FloorDiv(padded, 256)
+    assert evaluate(size, 65536) == 512 * 256
+    assert evaluate(size, 62686.94) == 512 * 245      # 62687 tokens pad to 245 chunks of 256
+    assert evaluate(2 * S, 62686.5) == 125373.0       # a plain size stays exact

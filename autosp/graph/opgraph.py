@@ -41,7 +41,12 @@ def evaluate(expr: Size, seq_len: float) -> float:
 def _evaluate_expr(expr: Any, seq_len: float) -> float:
     # The planner evaluates the same few hundred expressions at a handful of lengths for
     # dozens of candidate configurations: evaluate each once.
-    return float(expr.xreplace({S: seq_len}))
+    try:
+        return float(expr.xreplace({S: seq_len}))
+    except TypeError:
+        # The floor divisions and remainders a chunked scan pads its length with (torch's FloorDiv,
+        # Mod) evaluate on integers only: such a size is taken at the nearest whole length.
+        return float(expr.xreplace({S: sympy.Integer(round(seq_len))}))
 
 
 @dataclass(frozen=True)
