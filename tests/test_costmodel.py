@@ -1,6 +1,7 @@
 """Cost model: lookups, profile loading and its errors, predictions' sense."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -388,3 +389,29 @@ def test_sizes_a_chunked_scan_pads_to_evaluate_at_any_length():
     assert evaluate(size, 65536) == 512 * 256
     assert evaluate(size, 62686.94) == 512 * 245      # 62687 tokens pad to 245 chunks of 256
     assert evaluate(2 * S, 62686.5) == 125373.0       # a plain size stays exact
+
+
+def test_a_hybrids_sequence_mixer_is_costed_on_the_whole_sequence():
+    # Bamba: a Mamba-2 layer, then attention. Under SP the Mamba-2 module runs gathered (whole
+    # sequence on every rank), so its ops are costed at S, not S / P, and its input's gather and
+    # gradient sum are exposed communication; the attention layer stays sharded
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_models import build
+
+    from autosp.costmodel.mixers import at_sp_degree
+    from autosp.graph.opgraph import evaluate
+
+    g = capture(build("bamba"), seq_len=256, dtype="float32")
+    assert g.mixers == [(0, "mamba")], g.mixers
+    gathered = [a for a in g.nodes() if a.gathered]
+    assert gathered and {a.layer for a in gathered} == {0} and all(a.region == "mamba" for a in gathered)
+    assert not any(a.gathered for a in g.nodes(layer=1))          # the attention layer
+    at2 = at_sp_degree(g, 2)
+    flops = lambda graph, tokens: sum(evaluate(a.flops, tokens) for a in graph.nodes() if a.gathered)  # noqa: E731
+    assert flops(at2, 2048) == flops(g, 4096) > 0                 # a rank's 2048 tokens: the mixer at 4096
+    prof = load_profile("cpu-gloo")
+    one, two = (predict(g, prof, sp=sp, strategy="ulysses", seq_len=4096) for sp in (1, 2))
+    assert one.mixer_comm_s == 0.0 < two.mixer_comm_s and two.exposed_comm_s >= two.mixer_comm_s
+    assert two.model_flops == one.model_flops / 2                 # MFU counts the model's flops, not the repeats

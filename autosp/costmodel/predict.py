@@ -21,6 +21,9 @@ Time (per device, one step):
   TP        a tensor-parallel degree t divides the work of the blocks' attention and MLP modules
             and the attention's heads by t and adds its per-layer collectives, exposed
             (:mod:`autosp.costmodel.tensor_parallel`)
+  mixers    a sequence mixer that runs gathered (a Mamba-2 or gated DeltaNet module) is costed
+            at S tokens, its input's gather and gradient sum exposed
+            (:mod:`autosp.costmodel.mixers`)
   sharing   more ranks on a node than the profile has devices (the launch's ranks per node
             above the profile's ``devices_per_node``: 4 processes on a 2-core CPU) share them:
             every compute time x (ranks on the node / devices), attention kernels at least the
@@ -38,6 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autosp.costmodel.memory import dtype_bytes, liveness_peak, model_states, tiled_region, untraced_layer_activations
+from autosp.costmodel.mixers import at_sp_degree, mixer_comm
 from autosp.costmodel.phases import decided_peak, peak_terms
 from autosp.costmodel.overlap import transfer_times
 from autosp.costmodel.profile import HardwareProfile
@@ -80,6 +84,7 @@ class Prediction:
     backward_s: float = 0.0             # of compute_s, the backward's: what the gradient reduction moves beside
     tp: int = 1                         # the TP degree
     tp_comm_s: float = 0.0              # TP collectives, all exposed (of exposed_comm_s)
+    mixer_comm_s: float = 0.0           # sequence mixers' gathers and gradient sums, exposed (costmodel/mixers.py)
     tp_layer_s: float = 0.0             # ... of them the layers' (forward and backward)
     tp_layer_forward_s: float = 0.0     # ... and of those the forward's (what a full recompute repeats)
 
@@ -156,6 +161,8 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
     dtype = graph.dtype
     if graph.first_attention() is None:
         raise AutospError(f"model '{graph.model_name}' has no attention op to parallelise")
+    model_flops = graph.total_flops(S)
+    graph = at_sp_degree(graph, sp)         # sequence mixers run on the whole sequence (costmodel/mixers.py)
     dpn = devices_per_node or profile.devices_per_node
     # One device runs attention as it is; otherwise the strategy named, on the layout it needs
     # unless one is given.
@@ -237,13 +244,14 @@ def predict(graph: OpGraph, profile: HardwareProfile, *, sp: int = 1, strategy: 
                                                          p.compute_s - backward_s, overlap, zero_shard, dpn, tp)
     tpc = tp_comm(graph, profile, tp, s_loc)
     p.tp, p.tp_comm_s, p.tp_layer_s, p.tp_layer_forward_s = tp, tpc.total_s, tpc.layer_s, tpc.layer_forward_s
-    p.comm_s = p.attention_comm_s + p.gradient_comm_s + p.tp_comm_s
+    p.mixer_comm_s = mixer_comm(graph, profile, sp, S, sp > max(1, dpn // tp))
+    p.comm_s = p.attention_comm_s + p.gradient_comm_s + p.tp_comm_s + p.mixer_comm_s
     p.gradient_exposed_s = gradient_exposed
-    p.exposed_comm_s = p.attention_exposed_s + gradient_exposed + p.tp_comm_s
+    p.exposed_comm_s = p.attention_exposed_s + gradient_exposed + p.tp_comm_s + p.mixer_comm_s
     p.phases = {}
     p.memory = _memory(graph, S, sp, dp, zero_stage, workspace, p.phases, zero_shard, fused, tp)
     p.peak_bytes = p.memory["peak"]
-    p.model_flops = graph.total_flops(S) / (sp * tp)    # per device: its share of one sequence
+    p.model_flops = model_flops / (sp * tp)    # per device: its share of one sequence
     p.total_s = p.compute_s + p.exposed_comm_s
     peak = profile.peak_flops(dtype)
     p.mfu = p.model_flops / (p.total_s * peak) if peak else 0.0
@@ -357,6 +365,7 @@ def step_peak(graph: OpGraph, profile: HardwareProfile, *, sp: int, strategy: st
     constraints count them: what the memory probe measures (``fused``: as Inductor runs the step,
     :mod:`autosp.costmodel.fusion`; else as ``aot_eager`` does)."""
     p = predict(graph, profile, sp=sp, strategy=strategy, seq_len=seq_len, layout=layout, fused=fused)
+    graph = at_sp_degree(graph, sp)
     tokens = seq_len / sp
     terms = peak_terms(graph, tokens, p.phases, 0.0, p.phases["untraced"], p.memory["workspace"], loss_chunks)
     choice = {fp: (checkpoint, mlp_chunks, keep_mlp_input) for fp in graph.layer_classes}

@@ -33,8 +33,10 @@ from autosp.errors import AutospError
 from autosp.graph.build import Built, build, count_params, fsdp_hooks_off
 from autosp.graph.catalog import ModelSource
 from autosp.graph.hf_compat import (attention_window, broadcast_kv_as_gqa, eager_experts_as_grouped,
-                                    experts_as_compiled, pad_value_head_dim, polar_as_view, unpacked_positions)
+                                    experts_as_compiled, pad_value_head_dim, polar_as_view, traced_as_exported,
+                                    unpacked_positions)
 from autosp.graph.inputs import InputSpec, parse_dtype, parse_input_spec
+from autosp.graph.mixers import mark_gathered
 from autosp.graph.opgraph import S, AttentionOp, LayerClass, OpGraph, OpNode, evaluate
 from autosp.graph.ops import OpKind, attention_operands, classify, is_causal_call, is_masked_call, op_flops, prod
 from autosp.graph.written_attention import fill_score_costs, find_written, roles, written_op
@@ -166,7 +168,7 @@ def _trace(built: Built, specs: list[InputSpec], batch_size: int, seq_len: int,
     try:
         with fake_mode, fx_traceback.preserve_node_meta(), unpacked_positions(built.is_hf), broadcast_kv_as_gqa(), \
                 pad_value_head_dim() as value_dims, polar_as_view(), experts_as_compiled(built.is_hf), \
-                eager_experts_as_grouped(module), fsdp_hooks_off(module):
+                eager_experts_as_grouped(module), fsdp_hooks_off(module), traced_as_exported():
             gm = make_fx(step, tracing_mode="real", decomposition_table=_DECOMPOSITIONS)(params, kwargs)
     except AutospError:
         raise
@@ -345,7 +347,7 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
             key = _storage_key(tvals[0], n.name)
             size = prod(shapes[0]) * tvals[0].element_size()
             prev = storage_best.get(key)
-            if prev is None or _bigger(size, prev[0], seq_len):
+            if prev is None or evaluate(size, seq_len) > evaluate(prev[0], seq_len):
                 storage_best[key] = (size, n.name)
     for size, name in storage_best.values():
         g.nodes[name]["op"].bytes_saved = size
@@ -354,15 +356,12 @@ def _to_opgraph(built: Built, gm: torch.fx.GraphModule, shape_env: Any, canon: d
     classes = _layer_classes(built, g)
     return OpGraph(graph=g, model_name=built.name, batch_size=batch_size, seq_len=seq_len,
                    dtype=str(dtype).replace("torch.", ""), layer_classes=classes,
-                   total_params=built.total_params, captured_layers=len(built.blocks), notes=built.notes)
+                   total_params=built.total_params, captured_layers=len(built.blocks), notes=built.notes,
+                   mixers=mark_gathered(g, nodes[:boundary], shapes_of))
 
 
 def _has_seq(e: Any) -> bool:
     return isinstance(e, sympy.Basic) and S in e.free_symbols
-
-
-def _bigger(a: Any, b: Any, seq_len: int) -> bool:
-    return evaluate(a, seq_len) > evaluate(b, seq_len)
 
 
 def _storage_key(t: torch.Tensor, fallback: str) -> Any:

@@ -72,6 +72,16 @@ CATALOG: dict[str, tuple[str, dict[str, Any]]] = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
         num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy", first_k_dense_replace=1,
         vocab_size=102400, max_position_embeddings=163840, rope_theta=10000.0)),
+    # A hybrid: three gated DeltaNet layers (a causal conv1d, then the gated delta rule's chunked
+    # scan; run gathered under SP) to one gated softmax-attention layer, 512 experts.
+    "qwen3-next-80b-a3b": ("Qwen3NextConfig", dict(
+        hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        decoder_sparse_step=1, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=262144,
+        rope_theta=10000000.0, partial_rotary_factor=0.25, tie_word_embeddings=False,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)])),
     # Small enough to train on a 2-core CPU: the default of the README's main job.
     "tiny": ("LlamaConfig", dict(
         hidden_size=256, intermediate_size=688, num_hidden_layers=2,

@@ -194,3 +194,26 @@ def polar_as_view() -> Iterator[None]:
         yield
     finally:
         torch.polar = original
+
+
+@contextlib.contextmanager
+def traced_as_exported() -> Iterator[None]:
+    """``torch.linalg.solve_triangular``'s fake kernel expands with concrete sizes only, which a
+    symbolic sequence length breaks (Qwen3-Next's gated DeltaNet solves its chunks' UT system with
+    it). The models that call it keep a loop of plain ops for tracers (``is_torchdynamo_exporting``:
+    forward substitution, the same values); within this context their modules take that path."""
+    import inspect
+    import sys
+
+    # only the modules that solve triangular systems: elsewhere the flag may choose other paths
+    patched = [m for name, m in list(sys.modules.items())
+               if name.startswith("transformers.models.") and callable(getattr(m, "is_torchdynamo_exporting", None))
+               and "solve_triangular" in inspect.getsource(m)]
+    originals = [m.is_torchdynamo_exporting for m in patched]
+    for m in patched:
+        m.is_torchdynamo_exporting = lambda: True
+    try:
+        yield
+    finally:
+        for m, f in zip(patched, originals):
+            m.is_torchdynamo_exporting = f

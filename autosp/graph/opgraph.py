@@ -94,6 +94,8 @@ class OpNode:
     # made from positions and inputs alone (a mask, rotary tables): under SP every rank computes it
     # on the full sequence (the sharding pass slices it where it meets sharded tokens)
     replicated: bool = False
+    # in a sequence mixer (graph/mixers.py): under SP it runs on the whole sequence on every rank
+    gathered: bool = False
 
     @property
     def holds_memory(self) -> bool:
@@ -123,6 +125,8 @@ class OpGraph:
     total_params: int
     captured_layers: int
     notes: list[str] = field(default_factory=list)
+    # (block, child module) of each sequence mixer: run gathered under SP (graph/mixers.py)
+    mixers: list[tuple[int, str]] = field(default_factory=list)
     attention_dropout: bool = False    # traced without it (it hides the fused op); the strategies must take it
     # What the planner derives from the captured graph again and again (its symbolic sums, the
     # schedule's liveness structure); the graph is never changed once captured.

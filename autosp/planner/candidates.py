@@ -14,6 +14,7 @@ import itertools
 from dataclasses import replace
 
 from autosp.costmodel.memory import dtype_bytes, hidden_bytes, layer_saved, mlp_saved, model_states
+from autosp.costmodel.mixers import at_sp_degree
 from autosp.costmodel.offload import copy_exposed, host_optimizer_bytes, host_optimizer_step
 from autosp.costmodel.phases import (first_layer_own, offloaded_own, own_bytes, peak_terms, strategy_saved,
                                     with_strategy_own)
@@ -66,15 +67,16 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
         host_states = host_optimizer_bytes(optimizer, dtype_bytes(graph.dtype))
         # what a rank's layers keep, at its SP shard's tokens, of which TP splits a share
         tokens = seq_len / sp * saved_share(graph, tp)
-        tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(graph, tokens).items()}
+        sized = at_sp_degree(graph, sp)       # its sequence mixers' sizes at the whole sequence
+        tileable = {fp: bool(t["tileable"]) for fp, t in mlp_saved(sized, tokens).items()}
         # per (checkpointing, MLP chunks, MLP input kept): what one layer keeps, and holds beyond it
         # in its own backward
         memory_choices = [(k, c, keep) for k in checkpoints for c in mlp_chunk_counts(mlp_chunks, tokens, width)
                           for keep in ((True, False) if k == "full" and c > 1 else (True,))]
         untiled = [(k, 1, True) for k in checkpoints]       # a class whose MLP cannot be tiled
         everything = set(memory_choices) | set(untiled)
-        kept = {m: layer_saved(graph, tokens, *m) for m in everything}
-        own = {(fp, *m): own_bytes(graph, tokens, fp, *m, fused=fused)
+        kept = {m: layer_saved(sized, tokens, *m) for m in everything}
+        own = {(fp, *m): own_bytes(sized, tokens, fp, *m, fused=fused)
                for fp in graph.layer_classes for m in everything}
         by_layout: dict[str, dict[str, Prediction]] = {}     # the loss's tiling does not change them
         layouts = planned_layouts(tuple(documents)) if sp > 1 else planned_layouts()[:1]
@@ -102,7 +104,7 @@ def build_candidates(problem: Problem, zero_shard: int = 0) -> list[Candidate]:
             outside = {st: (p.total_s - layer_time[st], p.exposed_comm_s - p.attention_exposed_s - p.tp_layer_s)
                        for st, p in ps.items()}
             # each strategy's workspace is its options' own: it exists in its layers' backward
-            terms = peak_terms(graph, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
+            terms = peak_terms(sized, tokens, first.phases, first.peak_bytes - first.memory["step_peak"],
                                first.phases["untraced"], 0.0, kl)
             # A tiled loss recomputes the head (and its loss) in backward.
             base_time, base_exposed = outside[first.strategy]

@@ -14,6 +14,7 @@ from typing import Any
 
 from autosp.costmodel.live_tensors import largest_live
 from autosp.costmodel.memory import dtype_bytes, model_states
+from autosp.costmodel.mixers import at_sp_degree
 from autosp.costmodel.offload import host_optimizer_step
 from autosp.costmodel.phases import FIRST
 from autosp.decisions import LayerChoice, MeshChoice
@@ -132,7 +133,7 @@ def _to_plan(problem: Problem, sol: Solution, alts: list[Solution], cands: dict,
         # what bounds the context: the captured step's largest tensors at its peak, per rank,
         # before checkpointing and tiling (the decisions above shrink some of them)
         largest_live=tuple(LiveTensor(**{**t, "shape": tuple(t["shape"])})
-                           for t in largest_live(g, seq_len / sp, full=seq_len)),
+                           for t in largest_live(at_sp_degree(g, sp), seq_len / sp, full=seq_len)),
         bound_by=_bound_by(g, cands[sol.mesh], sol, main.host_bytes, host_budget),
         compiler=problem.compiler, runtime_reserved_bytes=problem.runtime_reserved_bytes,
         documents=problem.documents)
