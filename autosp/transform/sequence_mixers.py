@@ -62,14 +62,21 @@ def _path(raw: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", raw)
 
 
-def mixer_of(n: fx.Node) -> tuple[str, str] | None:
-    """(path, type name) of the block's child module ``n`` runs in (the block itself where ``n``
-    is its own op), or None outside a numbered block."""
+def _block_and_child(n: fx.Node) -> tuple[tuple[str, str], tuple[str, str] | None] | None:
+    """((path, type) of the numbered block ``n`` runs in, that of its child ``n`` runs in or None
+    where ``n`` is the block's own op), or None outside every numbered block."""
     stack = [(_path(p), getattr(t, "__name__", str(t))) for p, t in (n.meta.get("nn_module_stack") or {}).values()]
     for i, (p, _) in enumerate(stack):
         if re.search(r"\.\d+$", p):
-            return stack[i + 1] if i + 1 < len(stack) else stack[i]
+            return stack[i], stack[i + 1] if i + 1 < len(stack) else None
     return None
+
+
+def mixer_of(n: fx.Node) -> tuple[str, str] | None:
+    """(path, type name) of the block's child module ``n`` runs in (the block itself where ``n``
+    is its own op), or None outside a numbered block."""
+    found = _block_and_child(n)
+    return None if found is None else found[1] or found[0]
 
 
 @dataclass
@@ -86,11 +93,8 @@ class MixerRun:
 def block_child(n: fx.Node) -> tuple[str, str] | None:
     """(path, type) of the child module of a numbered block that ``n`` runs in; None where ``n``
     runs in the block itself or outside every block."""
-    stack = [(_path(p), getattr(t, "__name__", str(t))) for p, t in (n.meta.get("nn_module_stack") or {}).values()]
-    for i, (p, _) in enumerate(stack):
-        if re.search(r"\.\d+$", p):
-            return stack[i + 1] if i + 1 < len(stack) else None
-    return None
+    found = _block_and_child(n)
+    return None if found is None else found[1]
 
 
 def _along(n: fx.Node, seq_dims: Callable[[Any], tuple[int, ...]]) -> bool:
